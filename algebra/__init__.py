@@ -1,0 +1,14 @@
+"""The algebra engine: derive proven one-pass fusion rules for cascaded reductions.
+
+sympy only: nothing here imports TVM.
+"""
+
+from .errors import NotFusable, SpecError
+from .library import LIBRARY
+from .pipeline import derive
+from .reference import reference
+from .rule import FusionRule
+from .spec import Cascade, parse
+
+__all__ = ["LIBRARY", "Cascade", "FusionRule", "NotFusable", "SpecError", "derive", "parse",
+           "reference"]

@@ -1,0 +1,261 @@
+"""The fused form of one reduction: symbolic state/update/merge/finalize, and its numpy run.
+
+Three families (see ``laws.LAWS``):
+
+- ``LinearComponent`` (sum): a state vector S of sums of basis functions psi_k(x, a)
+  *at the running anchor a*.  When the anchor moves a -> a', S <- A(a, a') S with the
+  derived matrix A; an element adds psi(x, a').  Merge re-anchors both sides to the
+  merged anchor and adds.  Laws used (each a proof obligation): psi(x, a') = A psi(x, a),
+  A(a, a) = I, A(a1, a2) A(a0, a1) = A(a0, a2).
+- ``SelectComponent`` (max/min/arg*/topk): keeps the best g(x) (and its index); the
+  body F(g, a) is applied at finalize, which is exact because F is monotone in g.
+- ``ProductComponent`` (prod): keeps prod G(x); finalize multiplies by C(a)**n.
+
+The numpy run (used by ``FusionRule.evaluate``) is the kernel's algorithm in the
+inputs' dtype.  Infinite anchors follow three laws that make the fused pass agree
+with the float64 multi-pass reference: re-anchoring to an equal anchor is the
+identity (so -inf -> -inf never computes inf - inf); a factor that is exactly 0
+annihilates, and the empty state 0 stays 0 under any factor (so a state gathered at
+an anchor infinitely below the new one vanishes, NaN included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import sympy as sp
+
+from .functions import Maximum, Minimum
+from .numeric import compile_expr
+from .prove import Obligation
+from .spec import Reduction
+
+COUNT = sp.Symbol("n", integer=True, nonnegative=True)  # elements folded into the state
+U = sp.Symbol("u", real=True)  # the stream quantity g(x) inside F(g, a)
+INDEX_SENTINEL = np.iinfo(np.int64).max  # "no index yet": loses every tie
+INDEX_KEY = "#i"  # the element's integer position in the element environment
+
+
+@dataclass(frozen=True)
+class StateVar:
+    """One state variable: its symbol, initial value (the law's identity) and meaning."""
+
+    symbol: sp.Symbol
+    init: sp.Expr
+    meaning: str
+    kind: str = "value"  # "value" | "index" | "values_k" | "indices_k" | "count"
+
+
+def primed(a: sp.Symbol, mark: str = "'") -> sp.Symbol:
+    """The same anchor at another point: m -> m' (new), m_L, m_R ..."""
+    return sp.Symbol(a.name + mark, **a.assumptions0)
+
+
+def mul0(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a * b where an exact 0 on either side wins (0 * inf = 0 * nan = 0)."""
+    return np.where((a == 0) | (b == 0), 0, a * b)
+
+
+def _same(old: dict, new: dict, anchors) -> np.ndarray | bool:
+    same = True
+    for a in anchors:
+        same = same & (old[a.name] == new[a.name])
+    return same
+
+
+@dataclass(frozen=True)
+class Component:
+    """Common part: the reduction, which case applied, its state and proof obligations."""
+
+    reduction: Reduction
+    case: str
+    state: tuple[StateVar, ...]
+    anchors: tuple[sp.Symbol, ...]
+    finalize: sp.Expr  # the reduction's value from the state, at the final anchors
+    obligations: tuple[Obligation, ...]
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def compiled(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def init(self, shape: tuple, dtype: np.dtype) -> dict[str, np.ndarray]:
+        return {s.symbol.name: np.full(shape, float(s.init), dtype) for s in self.state}
+
+
+@dataclass(frozen=True)
+class LinearComponent(Component):
+    """sum: state = sums of basis functions at the running anchor, re-anchored by a matrix."""
+
+    columns: tuple[sp.Symbol, ...] = ()  # state symbols, COUNT included when a column is 1
+    basis: tuple[sp.Expr, ...] = ()  # psi_k(x, a) for each column
+    matrix: sp.Matrix = field(default_factory=lambda: sp.Matrix())  # A(a, a') over columns
+
+    def update_lines(self) -> list[tuple[sp.Expr, sp.Expr]]:
+        """S' = A(a, a') S + psi(x, a')  (COUNT's own row is the count's business)."""
+        new = {a: primed(a) for a in self.anchors}
+        rows = self.matrix * sp.Matrix(self.columns)
+        return [(primed(c), rows[r] + self.basis[r].subs(new, simultaneous=True))
+                for r, c in enumerate(self.columns) if c != COUNT]
+
+    def merge_lines(self) -> list[tuple[sp.Expr, sp.Expr]]:
+        """S = A(a_L, a) S_L + A(a_R, a) S_R."""
+        out = []
+        for side in ("_L", "_R"):
+            sub = {**{a: primed(a, side) for a in self.anchors},
+                   **{primed(a): a for a in self.anchors},
+                   **{c: primed(c, side) for c in self.columns}}
+            out.append(self.matrix.subs(sub, simultaneous=True)
+                       * sp.Matrix([sub[c] for c in self.columns]))
+        return [(c, out[0][r] + out[1][r]) for r, c in enumerate(self.columns) if c != COUNT]
+
+    def _program(self):
+        entries = [(r, k, compile_expr(v)) for r in range(len(self.columns))
+                   for k, v in enumerate(self.matrix.row(r)) if v != 0]
+        return entries, [compile_expr(b) for b in self.basis]
+
+    def _reanchor(self, src: dict, a_old: dict, a_new: dict, dt) -> list:
+        """A(a_old, a_new) @ S, with the identity where the anchors did not move."""
+        entries, _ = self.compiled("prog", self._program)
+        env = {**a_old, **{a.name + "'": a_new[a.name] for a in self.anchors}}
+        out = [dt.type(0)] * len(self.columns)
+        for r, k, entry in entries:
+            out[r] = out[r] + mul0(np.asarray(entry(env, dt)), src[self.columns[k].name])
+        same = _same(a_old, a_new, self.anchors)
+        return [np.where(same, src[c.name], o) for c, o in zip(self.columns, out, strict=True)]
+
+    def update(self, old, new, elem, a_old, a_new, dt):
+        _, basis = self.compiled("prog", self._program)
+        moved = self._reanchor(old, a_old, a_new, dt)
+        env = {**elem, **a_new}
+        for r, c in enumerate(self.columns):
+            if c != COUNT:
+                new[c.name] = moved[r] + basis[r](env, dt)
+
+    def merge(self, left, right, out, a_left, a_right, a_out, dt):
+        from_l = self._reanchor(left, a_left, a_out, dt)
+        from_r = self._reanchor(right, a_right, a_out, dt)
+        for r, c in enumerate(self.columns):
+            if c != COUNT:
+                out[c.name] = from_l[r] + from_r[r]
+
+
+@dataclass(frozen=True)
+class SelectComponent(Component):
+    """max/min/arg*/topk: keep the best g(x) (ties: first index); F(g, a) at finalize."""
+
+    core: sp.Expr = sp.S.Zero  # g(x)
+    outer: sp.Expr = U  # F(u, a)
+    direction: int = 1  # +1: larger g is better
+    k: int = 1
+
+    def update_lines(self) -> list[tuple[object, object]]:
+        value, index = (s.symbol for s in self.state) if len(self.state) > 1 else \
+            (self.state[0].symbol, None)
+        better = ">" if self.direction > 0 else "<"
+        if self.k > 1:
+            keep = f"the {self.k} best of {value} and {self.core}"
+            if index is None:
+                return [(primed(value), keep)]
+            return [(f"({primed(value)}, {primed(index)})", f"{keep}, with indices {index} "
+                     f"and i (ties: lower index first)")]
+        if index is None:
+            best = Maximum if self.direction > 0 else Minimum
+            return [(primed(value), best(value, self.core))]
+        return [(f"({primed(value)}, {primed(index)})",
+                 f"({self.core}, i) if {self.core} {better} {value} else ({value}, {index})")]
+
+    def merge_lines(self) -> list[tuple[object, object]]:
+        names = [s.symbol for s in self.state]
+        if self.k > 1:
+            return [(f"({', '.join(map(str, names))})", f"the {self.k} best of the union of L "
+                     "and R (ties: lower index first)")]
+        if len(names) == 1:
+            best = Maximum if self.direction > 0 else Minimum
+            return [(names[0], best(primed(names[0], "_L"), primed(names[0], "_R")))]
+        v, j = names
+        better = ">" if self.direction > 0 else "<"
+        return [(f"({v}, {j})", f"L if {v}_L {better} {v}_R or ({v}_L == {v}_R and "
+                                f"{j}_L < {j}_R) else R")]
+
+    def init(self, shape, dtype):
+        shape = (*shape[:-2], self.k, 1)
+        out = {}
+        for s in self.state:
+            if s.kind in ("index", "indices_k"):
+                out[s.symbol.name] = np.full(shape, INDEX_SENTINEL, np.int64)
+            else:
+                out[s.symbol.name] = np.full(shape, float(s.init), dtype)
+        return out
+
+    def _names(self):
+        value = self.state[0].symbol.name
+        index = self.state[1].symbol.name if len(self.state) > 1 else None
+        return value, index
+
+    def _select(self, v, j, out):
+        """Keep the k best of candidates (v, j) along axis -2: by value, then lowest index."""
+        value, index = self._names()
+        if index is None:  # values only: a plain maximum/minimum (NaN propagates, as np.max)
+            best = np.maximum if self.direction > 0 else np.minimum
+            out[value] = best.reduce(v, axis=-2, keepdims=True) if self.k == 1 else \
+                np.take_along_axis(v, _order(v, np.zeros(v.shape, np.int64), self.direction)
+                                   [..., : self.k, :], axis=-2)
+            return
+        order = _order(v, j, self.direction)[..., : self.k, :]
+        out[value] = np.take_along_axis(v, order, axis=-2)
+        out[index] = np.take_along_axis(j, order, axis=-2)
+
+    def update(self, old, new, elem, a_old, a_new, dt):
+        value, index = self._names()
+        g = self.compiled("g", lambda: compile_expr(self.core))(elem, dt)
+        g = np.broadcast_to(g, np.broadcast_shapes(g.shape, old[value].shape[:-2] + (1, 1)))
+        v = _concat(old[value], g)
+        j = _concat(old[index], np.full(g.shape, elem[INDEX_KEY], np.int64)) if index else None
+        self._select(v, j, new)
+
+    def merge(self, left, right, out, a_left, a_right, a_out, dt):
+        value, index = self._names()
+        v = _concat(left[value], right[value])
+        j = _concat(left[index], right[index]) if index else None
+        self._select(v, j, out)
+
+
+def _concat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = np.broadcast_to(a, shape + a.shape[-2:])
+    b = np.broadcast_to(b, shape + b.shape[-2:])
+    return np.concatenate([a, b], axis=-2)
+
+
+def _order(v: np.ndarray, j: np.ndarray, direction: int) -> np.ndarray:
+    """Sort positions along axis -2: best value first, ties by lower index (stable sorts)."""
+    by_index = np.argsort(j, axis=-2, kind="stable")
+    v2 = np.take_along_axis(v, by_index, axis=-2)
+    by_value = np.argsort(-v2 if direction > 0 else v2, axis=-2, kind="stable")
+    return np.take_along_axis(by_index, by_value, axis=-2)
+
+
+@dataclass(frozen=True)
+class ProductComponent(Component):
+    """prod: keep prod G(x); the anchor factor C(a) is applied as C(a)**n at finalize."""
+
+    factor: sp.Expr = sp.S.One  # G(x)
+
+    def update_lines(self) -> list[tuple[sp.Expr, sp.Expr]]:
+        p = self.state[0].symbol
+        return [(primed(p), p * self.factor)]
+
+    def merge_lines(self) -> list[tuple[sp.Expr, sp.Expr]]:
+        p = self.state[0].symbol
+        return [(p, primed(p, "_L") * primed(p, "_R"))]
+
+    def update(self, old, new, elem, a_old, a_new, dt):
+        name = self.state[0].symbol.name
+        new[name] = old[name] * self.compiled("G", lambda: compile_expr(self.factor))(elem, dt)
+
+    def merge(self, left, right, out, a_left, a_right, a_out, dt):
+        name = self.state[0].symbol.name
+        out[name] = left[name] * right[name]

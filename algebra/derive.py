@@ -1,0 +1,223 @@
+"""Stage 4, derive: one fused component per reduction, then the rule's running values.
+
+For each reduction the family of its law (``laws.LAWS``) picks the construction:
+finite-rank re-anchoring for sums, monotone commutation for selections, and
+multiplicative separation for products.  Every construction returns the proof
+obligations it relies on; ``prove`` (stage 5) checks them before a rule exists.
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from .components import (COUNT, U, Component, LinearComponent, ProductComponent,
+                         SelectComponent, StateVar, primed)
+from .errors import NotFusable
+from .laws import LAWS
+from .prove import Obligation
+from .separate import Block, linear_blocks, monotone_core, multiplicative_split, taylor_indices
+from .spec import I, N, Cascade, Reduction
+
+
+def derive_components(cascade: Cascade) -> tuple[Component, ...]:
+    """Fused components of every reduction, in dependence order."""
+    streams = set(cascade.streams) | {I}
+    family = {"linear": _linear, "selecting": _select, "multiplicative": _product}
+    return tuple(family[LAWS[r.op].family](r, set(r.anchors), streams) for r in cascade.reductions)
+
+
+def running_values(cascade: Cascade, components) -> dict[str, sp.Expr]:
+    """Every result as an expression of the state (N -> n): the running anchors.
+
+    Any anchor value makes the re-anchoring exact; using the count n of elements seen
+    so far instead of N keeps a running mean equal to the mean of what was seen,
+    which is what keeps the anchored sums small (Welford/Chan).  At the end n = N.
+    """
+    results = cascade.results
+    out: dict[str, sp.Expr] = {}
+    for comp in components:
+        name = comp.reduction.name
+        out[name] = comp.finalize.subs({N: COUNT}).subs(
+            {a: out[a.name] for a in comp.anchors}, simultaneous=True)
+        for epi, expr in cascade.epilogues.items():
+            if epi not in out and expr.free_symbols & set(results.values()) <= {
+                    results[k] for k in out}:
+                out[epi] = expr.subs({N: COUNT}).subs(
+                    {results[k]: v for k, v in out.items()}, simultaneous=True)
+    return out
+
+
+# Step 1. sum: finite-rank re-anchoring -------------------------------------------------
+def _linear(r: Reduction, anchors: set, streams: set) -> LinearComponent:
+    blocks = linear_blocks(r.name, r.body, anchors, streams)
+    taken: set[str] = set()
+    columns: list[sp.Symbol] = []
+    basis: list[sp.Expr] = []
+    entries: dict[tuple[sp.Symbol, sp.Symbol], sp.Expr] = {}
+    finalize = sp.S.Zero
+    for block in blocks:
+        cols, psis, matrix = _block_columns(r.name, block, anchors, taken)
+        for (ci, cj), v in matrix.items():
+            entries[(cols[ci], cols[cj])] = v
+        for c, psi in zip(cols, psis, strict=True):
+            if c not in columns:
+                columns.append(c)
+                basis.append(psi)
+        finalize += block.coeff * _content(block.kernel())[0] * cols[0]
+    index = {c: k for k, c in enumerate(columns)}
+    A = sp.zeros(len(columns))
+    for (ci, cj), v in entries.items():
+        A[index[ci], index[cj]] = v
+    state = tuple(StateVar(c, sp.S.Zero, _meaning(psi, r.anchors))
+                  for c, psi in zip(columns, basis, strict=True) if c != COUNT)
+    obligations = _linear_obligations(r, columns, basis, A, finalize)
+    rank = len(columns)
+    case = ("plain sum (reads no earlier result)" if not r.anchors else
+            f"finite-rank re-anchoring (rank {rank}): when {_names(r.anchors)} move, the "
+            f"state is mapped by a derived {rank}x{rank} matrix")
+    coeffs = [b.coeff for b in blocks if b.coeff != 1]
+    if coeffs:
+        case += "; anchor-only factor " + ", ".join(map(str, coeffs)) + " applied at finalize"
+    return LinearComponent(r, case, state, r.anchors, finalize, obligations,
+                           columns=tuple(columns), basis=tuple(basis), matrix=A)
+
+
+def _content(t: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
+    """t = c * psi with c a number and psi primitive, leading sign positive."""
+    c, psi = t.as_content_primitive()
+    if psi.could_extract_minus_sign():
+        c, psi = -c, -psi
+    return c, psi
+
+
+def _block_columns(name: str, block: Block, anchors: set, taken: set):
+    """State columns of one block: Taylor coefficients T_g = c_g * psi_g, and the matrix
+    T_g(a') = exp(beta(a') - beta(a)) * sum_{h >= g} binom(h, g) (a' - a)**(h - g) T_h(a)."""
+    idxs = taylor_indices(block, anchors)
+    parts = [_content(block.kernel(ix)) for ix in idxs]
+    cols = []
+    for k, (_, psi) in enumerate(parts):
+        if psi == 1:
+            cols.append(COUNT)
+            continue
+        base = name if k == 0 else f"{name}_{k}"
+        while base in taken:
+            base += "_"
+        taken.add(base)
+        cols.append(sp.Symbol(base, real=True))
+    new = {a: primed(a) for a in anchors}
+    scale = sp.exp(sp.expand(block.beta.subs(new, simultaneous=True) - block.beta))
+    matrix = {}
+    for gi, g in enumerate(idxs):
+        for hi, h in enumerate(idxs):
+            if all(h.get(a, 0) >= k for a, k in g.items()):
+                entry = scale * parts[hi][0] / parts[gi][0]
+                for a, ka in h.items():
+                    kg = g.get(a, 0)
+                    entry *= sp.binomial(ka, kg) * (primed(a) - a) ** (ka - kg)
+                matrix[(gi, hi)] = entry
+    return cols, [p for _, p in parts], matrix
+
+
+def _meaning(psi: sp.Expr, anchors) -> str:
+    at = psi.free_symbols & set(anchors)
+    return f"sum of {psi}" + (f" at the running {_names(sorted(at, key=str))}" if at else "")
+
+
+def _names(symbols) -> str:
+    return ", ".join(str(s) for s in symbols)
+
+
+def _linear_obligations(r, columns, basis, A, finalize) -> tuple[Obligation, ...]:
+    one = {c: psi for c, psi in zip(columns, basis, strict=True)}  # the state of one element
+    obls = [Obligation(f"{r.name}: decomposition", "finalize of a one-element state is the body",
+                       finalize.subs(one, simultaneous=True), r.body)]
+    if not r.anchors:
+        return tuple(obls)
+    new = {a: primed(a) for a in r.anchors}
+    psi = sp.Matrix(basis)
+    obls.append(Obligation(f"{r.name}: re-anchoring", "psi(x, a') = A(a, a') psi(x, a)",
+                           psi.subs(new, simultaneous=True), A * psi))
+    obls.append(Obligation(f"{r.name}: identity", "A(a, a) = I (an unmoved anchor keeps "
+                           "the state)", A.subs({v: k for k, v in new.items()}),
+                           sp.eye(A.rows)))
+    s0, s1, s2 = ({a: primed(a, t) for a in r.anchors} for t in ("_0", "_1", "_2"))
+
+    def at(src, dst):
+        return A.subs({**{a: src[a] for a in r.anchors}, **{new[a]: dst[a] for a in r.anchors}},
+                      simultaneous=True)
+
+    obls.append(Obligation(f"{r.name}: composition", "A(a1, a2) A(a0, a1) = A(a0, a2): merges "
+                           "in any tree order agree", at(s1, s2) * at(s0, s1), at(s0, s2)))
+    return tuple(obls)
+
+
+# Step 2. max/min/arg*/topk: monotone commutation ---------------------------------------
+_SIGN_WORDS = {"positive": "strictly increasing", "negative": "strictly decreasing",
+               "nonnegative": "non-decreasing", "nonpositive": "non-increasing"}
+
+
+def _select(r: Reduction, anchors: set, streams: set) -> SelectComponent:
+    law = LAWS[r.op]
+    if anchors:
+        g, F, u = monotone_core(r.name, r.body, anchors, streams)
+        F = F.subs(u, U)
+    else:
+        g, F = r.body, U
+    strict = law.returns != "value" and law.returns != "values_k"
+    sign = _monotone_sign(r, g, F, strict)
+    direction = law.direction * (1 if sign in ("positive", "nonnegative") else -1)
+    k = r.k or 1
+    value = sp.Symbol(r.name if law.returns in ("value", "values_k") else r.name + "_best",
+                      real=True)
+    ident = law.identity if direction == law.direction else -law.identity
+    state = [StateVar(value, ident, f"{'largest' if direction > 0 else 'smallest'} "
+                      f"{str(r.k) + ' ' if r.k else ''}{g}", "values_k" if r.k else "value")]
+    if law.returns in ("index", "indices_k"):
+        state.append(StateVar(sp.Symbol(r.name, integer=True), sp.oo,  # "no index yet"
+                              "index of " + state[0].meaning + " (first on ties)",
+                              "indices_k" if r.k else "index"))
+        finalize = state[1].symbol
+    else:
+        finalize = F.subs(U, value)
+    obligations = ()
+    case = f"plain {r.op}"
+    if anchors:
+        word = _SIGN_WORDS[sign]
+        obligations = (
+            Obligation(f"{r.name}: factorization", "the body is F(g(x), a) with g anchor-free",
+                       F.subs(U, g), r.body),
+            Obligation(f"{r.name}: monotone", f"F is {word} in g, so {r.op} commutes with it",
+                       sp.diff(F, U), sign=sign))
+        swap = "" if direction == law.direction else " (direction swapped)"
+        case = (f"monotone commutation: F(u) = {F} is {word} in g = {g}, so "
+                f"{r.op}(F(g)) = F({r.op}(g)){swap}; the dependence on {_names(r.anchors)} "
+                "disappears")
+    return SelectComponent(r, case, tuple(state), r.anchors, finalize, obligations,
+                           core=g, outer=F, direction=direction, k=k)
+
+
+def _monotone_sign(r: Reduction, g, F, strict: bool) -> str:
+    dF = sp.diff(F, U)
+    signs = ("positive", "negative") if strict else ("positive", "negative", "nonnegative",
+                                                     "nonpositive")
+    for sign in signs:
+        if Obligation("", "", dF, sign=sign).check():
+            return sign
+    need = "strictly monotone (an index is returned, so ties must stay ties)" if strict \
+        else "monotone"
+    raise NotFusable(r.name, F.subs(U, g), f"is not provably {need} in g = {g} for every value "
+                     f"of {_names(r.anchors)} (dF/dg = {dF}), so {r.op} does not commute "
+                     "with it")
+
+
+# Step 3. prod: multiplicative separation -----------------------------------------------
+def _product(r: Reduction, anchors: set, streams: set) -> ProductComponent:
+    coeff, G = multiplicative_split(r.name, r.body, anchors, streams)
+    state = (StateVar(sp.Symbol(r.name, real=True), sp.S.One, f"product of {G}"),)
+    finalize = coeff ** COUNT * state[0].symbol if coeff != 1 else state[0].symbol
+    obligations = (Obligation(f"{r.name}: factorization", "body = C(a) * G(x)", coeff * G,
+                              r.body),)
+    case = "plain product" if coeff == 1 else (
+        f"multiplicative separation: prod({coeff} * G) = ({coeff})**n * prod(G)")
+    return ProductComponent(r, case, state, r.anchors, finalize, obligations, factor=G)

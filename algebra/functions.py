@@ -1,0 +1,222 @@
+"""Elementwise functions of the spec language: sympy classes plus numpy kernels.
+
+One table, ``FUNCTIONS``, maps each spec name to its arity, its sympy builder and
+the numpy implementation used by the interpreter.  Functions sympy lacks are
+``Function`` subclasses with ``eval`` (never monkey-patches), and carry the
+derivative and sign facts the monotonicity prover needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import sympy as sp
+from sympy.codegen.cfunctions import expm1, log1p
+
+
+class _Named(sp.Function):
+    """Prints as the spec spells it (sigmoid(x), max(a, b)), so rules read like specs."""
+
+    spec_name = ""
+
+    def _sympystr(self, printer):
+        return "%s(%s)" % (self.spec_name, ", ".join(printer._print(a) for a in self.args))
+
+
+class Sigmoid(_Named):
+    """Logistic function ``1 / (1 + exp(-x))``; strictly increasing, in (0, 1)."""
+
+    spec_name = "sigmoid"
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:
+            return 1 / (1 + sp.exp(-x))
+
+    def fdiff(self, argindex=1):
+        s = Sigmoid(self.args[0])
+        return s * (1 - s)
+
+    def _eval_is_positive(self):
+        return self.args[0].is_extended_real
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
+
+    def _latex(self, printer):
+        return r"\sigma\left(%s\right)" % printer._print(self.args[0])
+
+
+class Relu(_Named):
+    """``max(x, 0)``; non-decreasing but not strictly (ties at 0)."""
+
+    spec_name = "relu"
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:
+            return sp.Max(x, 0)
+
+    def fdiff(self, argindex=1):
+        return sp.Heaviside(self.args[0], 1)
+
+    def _eval_is_nonnegative(self):
+        return self.args[0].is_extended_real
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
+
+
+class Softplus(_Named):
+    """``log(1 + exp(x))``; strictly increasing and positive."""
+
+    spec_name = "softplus"
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:
+            return sp.log(1 + sp.exp(x))
+
+    def fdiff(self, argindex=1):
+        return Sigmoid(self.args[0])
+
+    def _eval_is_positive(self):
+        return self.args[0].is_extended_real
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
+
+
+class Round(_Named):
+    """Round half to even (numpy's rule); piecewise constant, so never re-anchorable."""
+
+    spec_name = "round"
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Integer:
+            return x
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
+
+
+class Maximum(_Named):
+    """Elementwise binary maximum (kept apart from sympy ``Max`` to keep -inf handling ours)."""
+
+    spec_name = "max"
+
+    @classmethod
+    def eval(cls, a, b):
+        if a == b:
+            return a
+        if a is sp.S.NegativeInfinity:
+            return b
+        if b is sp.S.NegativeInfinity:
+            return a
+        if a.is_Number and b.is_Number:
+            return sp.Max(a, b)
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real and self.args[1].is_extended_real
+
+    def _latex(self, printer):
+        return r"\max\left(%s, %s\right)" % tuple(printer._print(a) for a in self.args)
+
+
+class Minimum(_Named):
+    """Elementwise binary minimum."""
+
+    spec_name = "min"
+
+    @classmethod
+    def eval(cls, a, b):
+        if a == b:
+            return a
+        if a is sp.S.Infinity:
+            return b
+        if b is sp.S.Infinity:
+            return a
+        if a.is_Number and b.is_Number:
+            return sp.Min(a, b)
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real and self.args[1].is_extended_real
+
+    def _latex(self, printer):
+        return r"\min\left(%s, %s\right)" % tuple(printer._print(a) for a in self.args)
+
+
+class Dot(_Named):
+    """Dot product over the feature axis; opaque to the algebra (a per-element scalar)."""
+
+    spec_name = "dot"
+
+    is_commutative = True
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real and self.args[1].is_extended_real
+
+    def _latex(self, printer):
+        return r"\left\langle %s, %s\right\rangle" % tuple(printer._print(a) for a in self.args)
+
+
+def _np_sigmoid(x):
+    one = x.dtype.type(1)
+    return one / (one + np.exp(-x))
+
+
+def _np_erf(x):
+    return np.vectorize(math.erf, otypes=[x.dtype])(x)  # numpy has no erf ufunc
+
+
+def _np_dot(a, b):
+    return np.sum(a * b, axis=-1, keepdims=True)
+
+
+@dataclass(frozen=True)
+class Elementwise:
+    """One spec function: how many arguments, how sympy builds it, how numpy runs it."""
+
+    arity: int
+    build: Callable[..., sp.Expr]
+    numpy: Callable[..., np.ndarray] | None  # None: sympy lowers it to other nodes
+
+
+def _pow(a, b):
+    return sp.Pow(a, b)
+
+
+# spec name -> (arity, sympy builder, numpy kernel); keyed data, one line each.
+FUNCTIONS: dict[str, Elementwise] = {
+    "exp": Elementwise(1, sp.exp, np.exp),
+    "log": Elementwise(1, sp.log, np.log),
+    "sqrt": Elementwise(1, sp.sqrt, None),  # sqrt(x) -> x**(1/2)
+    "rsqrt": Elementwise(1, lambda x: 1 / sp.sqrt(x), None),  # -> x**(-1/2)
+    "abs": Elementwise(1, sp.Abs, np.abs),
+    "tanh": Elementwise(1, sp.tanh, np.tanh),
+    "sigmoid": Elementwise(1, Sigmoid, _np_sigmoid),
+    "relu": Elementwise(1, Relu, lambda x: np.maximum(x, x.dtype.type(0))),
+    "softplus": Elementwise(1, Softplus, lambda x: np.logaddexp(x, x.dtype.type(0))),
+    "pow": Elementwise(2, _pow, None),  # -> Pow node
+    "sin": Elementwise(1, sp.sin, np.sin),
+    "cos": Elementwise(1, sp.cos, np.cos),
+    "erf": Elementwise(1, sp.erf, _np_erf),
+    "log1p": Elementwise(1, log1p, np.log1p),
+    "expm1": Elementwise(1, expm1, np.expm1),
+    "floor": Elementwise(1, sp.floor, np.floor),
+    "ceil": Elementwise(1, sp.ceiling, np.ceil),
+    "round": Elementwise(1, Round, np.round),
+    "sign": Elementwise(1, sp.sign, np.sign),
+    "maximum": Elementwise(2, Maximum, np.maximum),
+    "minimum": Elementwise(2, Minimum, np.minimum),
+    "dot": Elementwise(2, Dot, _np_dot),
+}
+
+# sympy class name -> numpy kernel, for the interpreter's expression compiler.
+NUMPY_KERNELS: dict[str, Callable[..., np.ndarray]] = {
+    e.build.__name__: e.numpy for e in FUNCTIONS.values() if e.numpy is not None
+}

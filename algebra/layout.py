@@ -1,0 +1,179 @@
+"""The array convention shared by every array-level API (evaluate, reference, kernels).
+
+Rows may have any number of axes and broadcast like numpy.  Streamed inputs are
+(*rows, N) or (*rows, N, D); per-row parameters are scalars, (*rows,) or (*rows, D).
+Internally every array is viewed (never copied) as (*rows, L, F): L is N for streams
+and 1 otherwise (k for top-k results), F is D for feature vectors and 1 otherwise.
+
+Which inputs carry the feature axis: those written ``x[i, :]`` / ``g[:]`` or passed to
+``dot``; any other stream whose trailing axes can only be read as (N, D) is read so;
+a stream that could be read both ways is an error that asks for ``x[i, :]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Number
+
+import numpy as np
+
+from .spec import Cascade
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved inputs: rows, N, D and every input viewed as (*rows, L, F)."""
+
+    rows: tuple[int, ...]
+    n: int
+    d: int | None
+    dtype: np.dtype
+    arrays: dict[str, np.ndarray]
+
+
+def _fail(name: str, shape, expected: str):
+    raise ValueError(f"input '{name}' has shape {tuple(shape)}; expected {expected}")
+
+
+def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
+    """Check ``inputs`` against the cascade and view them in the internal layout.
+
+    Examples
+    --------
+    >>> from algebra.spec import parse
+    >>> c = parse("m = max(s); s = dot(q, k[i])".split(";")[1] + "; m = max(s)")
+    >>> lay = resolve(c, {"q": np.ones((2, 3, 4)), "k": np.ones((2, 1, 5, 4))})
+    >>> lay.rows, lay.n, lay.d, lay.arrays["k"].shape, lay.arrays["q"].shape
+    ((2, 3), 5, 4, (2, 1, 5, 4), (2, 3, 1, 4))
+    """
+    streams = [s.name for s in cascade.streams]
+    params = [p.name for p in cascade.params]
+    expected = set(streams) | set(params)
+    missing = sorted(expected - set(inputs))
+    if missing:
+        raise ValueError(f"missing input(s) {missing}: the spec reads streams {streams} "
+                         f"((*rows, N) or (*rows, N, D)) and parameters {params}")
+    extra = sorted(set(inputs) - expected - {"N"})
+    if extra:
+        raise ValueError(f"unexpected input(s) {extra}: the spec reads {sorted(expected)}")
+    arrays = {k: _as_array(k, inputs[k]) for k in sorted(expected)}
+    dtype = np.dtype(dtype) if dtype is not None else _working_dtype(arrays)
+    vec = set(cascade.vector_inputs)
+    n = _stream_length(cascade, arrays, vec, inputs.get("N"))
+    d = _feature_length(arrays, vec, streams)
+    for s in streams:
+        if s not in vec:
+            if _reads_as_vector(s, arrays[s].shape, n, d):
+                vec.add(s)
+                d = arrays[s].shape[-1]
+            elif arrays[s].ndim < 1 or arrays[s].shape[-1] != n:
+                _fail(s, arrays[s].shape, f"(*rows, {n}) or (*rows, {n}, D)")
+    views, row_shapes = {}, {}
+    for name, a in arrays.items():
+        tail = (2 if name in vec else 1) if name in streams else (1 if name in vec else 0)
+        if a.ndim < tail:
+            _fail(name, a.shape, "(*rows, N, D)" if tail == 2 else "(*rows, D)")
+        row_shapes[name] = a.shape[:a.ndim - tail]
+        shape = a.shape if name in streams else a.shape[:a.ndim - tail] + (1,) + a.shape[a.ndim -
+                                                                                       tail:]
+        views[name] = a.reshape(shape + (() if name in vec else (1,))).astype(dtype, copy=False)
+    for r in cascade.reductions:
+        if r.k and r.k > n:
+            raise ValueError(f"{r.op}({r.name}) asks for k = {r.k} values of a stream of "
+                             f"length N = {n}")
+    try:
+        rows = np.broadcast_shapes(*row_shapes.values())
+    except ValueError:
+        desc = ", ".join(f"{k}: {v}" for k, v in row_shapes.items())
+        raise ValueError(f"row axes do not broadcast ({desc})") from None
+    return Layout(tuple(rows), n, d, dtype, views)
+
+
+def _as_array(name: str, value) -> np.ndarray:
+    if isinstance(value, Number) and not isinstance(value, bool):
+        return np.asarray(value)
+    if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
+        value = np.from_dlpack(value)
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"input '{name}' must be a number or an array, not "
+                        f"{type(value).__name__}")
+    if value.dtype.kind not in "fiu":
+        raise TypeError(f"input '{name}' has dtype {value.dtype}; expected a real number type")
+    return value
+
+
+def _working_dtype(arrays) -> np.dtype:
+    floats = [a.dtype for a in arrays.values() if a.dtype.kind == "f" and a.ndim]
+    return np.result_type(*floats) if floats else np.dtype(np.float64)
+
+
+def _stream_length(cascade, arrays, vec, given) -> int:
+    streams = [s.name for s in cascade.streams]
+    for s in streams:
+        if s in vec:
+            if arrays[s].ndim < 2:
+                _fail(s, arrays[s].shape, "(*rows, N, D): it carries a feature axis")
+            return arrays[s].shape[-2]
+    if streams:
+        s = min(streams, key=lambda k: arrays[k].ndim)
+        if arrays[s].ndim < 1:
+            _fail(s, arrays[s].shape, "(*rows, N): it is streamed")
+        return arrays[s].shape[-1]
+    if given is None:
+        raise ValueError("the spec streams only the index i: pass N=<stream length>")
+    return int(given)
+
+
+def _feature_length(arrays, vec, streams) -> int | None:
+    d = None
+    for name in sorted(vec):
+        a = arrays[name]
+        if a.ndim < 1:
+            _fail(name, a.shape, "a trailing feature axis D")
+        if d is not None and a.shape[-1] != d:
+            _fail(name, a.shape, f"feature axis D = {d} (as the other vector inputs)")
+        d = a.shape[-1]
+    return d
+
+
+def _reads_as_vector(name, shape, n, d) -> bool:
+    as_vector = len(shape) >= 2 and shape[-2] == n and (d is None or shape[-1] == d)
+    as_scalar = len(shape) >= 1 and shape[-1] == n
+    if as_vector and as_scalar and d is not None:
+        raise ValueError(f"input '{name}' of shape {tuple(shape)} reads both as (*rows, N) "
+                         f"and as (*rows, N, D) with N = {n}, D = {d}; write {name}[i, :] in "
+                         "the spec if it carries the feature axis")
+    return as_vector and not as_scalar
+
+
+def to_user(cascade: Cascade, layout: Layout, values: dict[str, np.ndarray]) -> dict:
+    """Internal (*rows, L, F) results -> the documented output shapes, in spec order.
+
+    (*rows,) for scalars, (*rows, D) for feature vectors, (*rows, k) for top-k, and
+    (*rows, N[, D]) for per-element outputs.
+    """
+    out = {}
+    for name in cascade.outputs:
+        v = np.asarray(values[name])
+        shape = cascade.shapes.get(name)
+        full = layout.rows + v.shape[-2:]
+        v = np.broadcast_to(v, np.broadcast_shapes(full, v.shape))
+        vector = layout.d is not None and v.shape[-1] == layout.d and not (
+            shape is not None and shape.vec is False) and (layout.d > 1 or _reads_vector(
+                cascade, name))
+        per_element = name in cascade.elementwise
+        if shape is not None and shape.k:
+            v = v[..., :, 0]
+        elif per_element:
+            v = v if vector else v[..., 0]
+        else:
+            v = v[..., 0, :] if vector else v[..., 0, 0]
+        out[name] = np.ascontiguousarray(v)
+    return out
+
+
+def _reads_vector(cascade: Cascade, name: str) -> bool:
+    expr = cascade.elementwise.get(name, cascade.epilogues.get(name))
+    if expr is None:
+        expr = next(r.body for r in cascade.reductions if r.name == name)
+    return any(s.name in cascade.vector_inputs for s in expr.free_symbols)

@@ -1,0 +1,51 @@
+"""Built-in cascades, one entry each: name -> (spec, what it is)."""
+
+from __future__ import annotations
+
+_SOFTMAX = "m = max(x[i])\nd = sum(exp(x[i] - m))\n"
+
+LIBRARY: dict[str, tuple[str, str]] = {
+    "softmax": (_SOFTMAX + "y[i] = exp(x[i] - m) / d",
+                "safe softmax: running max, rescaled denominator, normalised values"),
+    "logsumexp": ("m = max(x[i])\nlse = log(sum(exp(x[i] - m))) + m",
+                  "log-sum-exp with the max subtracted"),
+    "log_softmax": ("m = max(x[i])\nlse = log(sum(exp(x[i] - m))) + m\ny[i] = x[i] - lse",
+                    "log-softmax (cross-entropy's first half)"),
+    "cross_entropy": ("m = max(x[i])\nlse = log(sum(exp(x[i] - m))) + m\n"
+                      "loss = lse - sum(x[i] * t[i])",
+                      "cross-entropy against a (soft or one-hot) target row t"),
+    "attention": ("s = dot(q, k[i, :]) * scale\nm = max(s)\nd = sum(exp(s - m))\n"
+                  "o = sum(exp(s - m) * v[i, :]) / d",
+                  "one query row against keys and values: the online-softmax rule"),
+    "variance": ("mean = sum(x[i]) / N\nvar = sum((x[i] - mean)**2) / N",
+                 "mean and (population) variance, anchored at the running mean"),
+    "layernorm": ("mean = sum(x[i]) / N\nvar = sum((x[i] - mean)**2) / N\n"
+                  "y[i] = (x[i] - mean) / sqrt(var + eps) * g[i] + b[i]",
+                  "LayerNorm over the stream: statistics in one pass, then normalise"),
+    "rmsnorm": ("r = sqrt(sum(x[i]**2) / N + eps)\ny[i] = x[i] / r * g[i]",
+                "RMSNorm"),
+    "rmsnorm_gemm": ("r = sqrt(sum(x[i]**2) / N + eps)\ny = sum(x[i] / r * w[i, :])",
+                     "RMSNorm followed by a GEMM: 1/r moves out of the dot product"),
+    "moe_routing": (_SOFTMAX + "p = topk(exp(x[i] - m) / d, 8)\n"
+                               "e = argtopk(exp(x[i] - m) / d, 8)",
+                    "MoE router: softmax over experts, then the top-8 probabilities and ids"),
+    "greedy_token": (_SOFTMAX + "p = max(exp(x[i] - m) / d)\ntoken = argmax(x[i])",
+                     "greedy decoding: the most likely token and its probability"),
+    "softmax_entropy": ("m = max(x[i])\nd = sum(exp((x[i] - m) / T))\n"
+                        "h = log(d) - sum((x[i] - m) / T * exp((x[i] - m) / T)) / d",
+                        "temperature softmax and its entropy (a rank-2 re-anchoring)"),
+    "softmin_average": ("m = min(x[i])\nd = sum(exp(m - x[i]))\n"
+                        "y = sum(exp(m - x[i]) * v[i, :]) / d",
+                        "soft-min weighted average of value rows"),
+    "softmax_moments": (_SOFTMAX + "mu = sum(exp(x[i] - m) * x[i]) / d\n"
+                                   "var = sum(exp(x[i] - m) / d * (x[i] - mu)**2)",
+                        "three levels: softmax, its mean logit, the variance around it"),
+    "l2_normalize": ("r = sqrt(sum(x[i]**2))\ny[i] = x[i] / r", "divide by the L2 norm"),
+    "geometric_mean": ("m = max(x[i])\ng = prod(exp((x[i] - m) / N)) * exp(m)",
+                       "geometric mean of exp(x) with the max factored out of the product"),
+}
+
+
+def resolve_spec(spec: str) -> str:
+    """A library name -> its spec text; anything else is taken as spec text."""
+    return LIBRARY[spec][0] if spec in LIBRARY else spec

@@ -1,0 +1,63 @@
+"""The float64 multi-pass oracle: each reduction as written, one full pass each.
+
+It shares only the parser and the expression compiler with the fused path, never
+the derivation, so tests that compare ``evaluate`` with it test the algebra.
+Semantics: numpy's (NaN propagates through max/sum; argmax/argmin and top-k
+ties go to the lower index; top-k values descending).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import sympy as sp
+
+from .layout import resolve, to_user
+from .numeric import compile_expr
+from .spec import INDEX, LENGTH, Cascade, parse
+
+F64 = np.dtype(np.float64)
+
+
+def _reduce(op: str, v: np.ndarray, k: int | None) -> np.ndarray:
+    if op in ("sum", "prod", "max", "min"):
+        return getattr(np, op)(v, axis=-2, keepdims=True)
+    if op in ("argmax", "argmin"):
+        return getattr(np, op)(v, axis=-2, keepdims=True).astype(np.int64)
+    order = np.argsort(-v, axis=-2, kind="stable")[..., :k, :]  # ties: lower index first
+    return np.take_along_axis(v, order, axis=-2) if op == "topk" else order.astype(np.int64)
+
+
+def reference(spec: str | Cascade, inputs: dict) -> dict[str, np.ndarray]:
+    """Evaluate a cascade the plain multi-pass way in float64 (the test oracle).
+
+    Examples
+    --------
+    >>> x = np.array([[0.0, np.log(3.0)]])
+    >>> reference("m = max(x[i]); d = sum(exp(x[i] - m))", {"x": x})["d"]
+    array([1.33333333])
+    """
+    from .library import resolve_spec
+
+    cascade = spec if isinstance(spec, Cascade) else parse(resolve_spec(spec))
+    lay = resolve(cascade, inputs, dtype=F64)
+    env = {**lay.arrays, LENGTH: F64.type(lay.n),
+           INDEX: np.arange(lay.n, dtype=F64).reshape(lay.n, 1)}
+    pending = dict(cascade.epilogues)
+    results = cascade.results
+    with np.errstate(all="ignore"):
+        for r in cascade.reductions:
+            _epilogues(pending, results, env)
+            body = np.asarray(compile_expr(r.body)(env, F64), F64)
+            body = np.broadcast_to(body, np.broadcast_shapes(body.shape, (lay.n, 1)))
+            env[r.name] = _reduce(r.op, body, r.k)
+        _epilogues(pending, results, env)
+        for name, expr in cascade.elementwise.items():
+            env[name] = compile_expr(expr)(env, F64)
+    return to_user(cascade, lay, env)
+
+
+def _epilogues(pending: dict[str, sp.Expr], results, env):
+    for name, expr in list(pending.items()):
+        if all(s.name in env for s in expr.free_symbols if s in results.values()):
+            env[name] = compile_expr(expr)(env, F64)
+            del pending[name]

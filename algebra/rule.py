@@ -1,0 +1,203 @@
+"""The derived, proven ``FusionRule``: state, update, merge, finalize, and how to show it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import sympy as sp
+
+from .components import COUNT, Component, StateVar, primed
+from .numeric import compile_expr
+from .prove import Obligation
+from .spec import INDEX, Cascade
+
+COUNT_STATE = StateVar(COUNT, sp.S.Zero, "number of elements folded in (N at the end)", "count")
+
+
+@dataclass(frozen=True)
+class FusionRule:
+    """A one-pass form of a cascade of reductions, with the identities that prove it.
+
+    Laws: ``update(s, x) = merge(s, state of x alone)``, ``merge`` is associative and
+    ``init`` is its identity, so any chunking and any merge tree give the same result
+    (up to rounding); each component's obligations prove its part of that.
+    """
+
+    cascade: Cascade
+    components: tuple[Component, ...]
+    running: dict[str, sp.Expr]  # each result as a function of the state (N -> n)
+    status: tuple[bool, ...]  # proven? per obligation, as checked when the rule was derived
+    name: str | None = None
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    # Step 1. What the rule is -------------------------------------------------------
+    @property
+    def uses_count(self) -> bool:
+        return any(COUNT in e.free_symbols for e in self.running.values()) or any(
+            COUNT in getattr(c, "columns", ()) for c in self.components)
+
+    @property
+    def state(self) -> tuple[StateVar, ...]:
+        """All state variables with their initial values, the count first if used."""
+        own = tuple(s for c in self.components for s in c.state)
+        return ((COUNT_STATE,) if self.uses_count else ()) + own
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.cascade.outputs
+
+    @property
+    def obligations(self) -> tuple[Obligation, ...]:
+        return tuple(o for c in self.components for o in c.obligations)
+
+    def verify(self) -> bool:
+        """Re-check every proof obligation with sympy; True only if all hold."""
+        return all(o.check() for o in self.obligations)
+
+    def update_lines(self) -> list[tuple[object, object]]:
+        count = [(primed(COUNT), COUNT + 1)] if self.uses_count else []
+        return count + [line for c in self.components for line in c.update_lines()]
+
+    def merge_lines(self) -> list[tuple[object, object]]:
+        count = [(COUNT, primed(COUNT, "_L") + primed(COUNT, "_R"))] if self.uses_count else []
+        return count + [line for c in self.components for line in c.merge_lines()]
+
+    def finalize_lines(self) -> list[tuple[object, object]]:
+        shown = [n for n in self.outputs if n in self.running]
+        return [(sp.Symbol(n), self.running[n]) for n in shown]
+
+    def elementwise_lines(self) -> list[tuple[object, object]]:
+        return [(f"{n}[{INDEX}]", e) for n, e in self.cascade.elementwise.items()]
+
+    # Step 2. How to show it ---------------------------------------------------------
+    def sections(self) -> list[tuple[str, list[tuple[object, object]]]]:
+        return [
+            ("state (initial value)", [(s.symbol, f"{s.init}    # {s.meaning}")
+                                       for s in self.state]),
+            ("update (one element; primes mark new values)", self.update_lines()),
+            ("merge (two partial states L, R)", self.merge_lines()),
+            ("finalize (n = N)", self.finalize_lines()),
+            ("per element (second pass over the stream)", self.elementwise_lines()),
+        ]
+
+    def __str__(self) -> str:
+        proven = sum(self.status)
+        head = f"FusionRule {self.name or ''}".rstrip()
+        out = [f"{head}  [{proven}/{len(self.obligations)} obligations proven]", "spec:"]
+        out += [f"  {line.strip()}" for line in self.cascade.text.strip().splitlines()]
+        for title, lines in self.sections():
+            if lines:
+                out.append(f"{title}:")
+                out += [f"  {lhs} = {rhs}" for lhs, rhs in lines]
+        out.append("cases:")
+        out += [f"  {c.reduction.name}: {c.case}" for c in self.components]
+        out.append("proof:")
+        out += [f"  [{'proven' if ok else 'FAILED'}] {o.name}: {o.statement()}"
+                for o, ok in zip(self.obligations, self.status, strict=True)]
+        return "\n".join(out)
+
+    def to_latex(self) -> str:
+        """The rule as a LaTeX ``aligned`` block per section."""
+        def tex(v):
+            return sp.latex(v) if isinstance(v, sp.Basic) else r"\text{%s}" % str(v).replace(
+                "_", r"\_")
+        out = []
+        for title, lines in self.sections():
+            if lines and not title.startswith("state"):
+                rows = r" \\ ".join(f"{tex(lhs)} &= {tex(rhs)}" for lhs, rhs in lines)
+                out.append(r"\text{%s:}\quad\begin{aligned}%s\end{aligned}" % (
+                    title.split(" (")[0], rows))
+        out += [o.latex() for o in self.obligations]
+        return "\n".join(out)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "name": self.name, "spec": self.cascade.text.strip(), "outputs": list(self.outputs),
+            **{title.split(" (")[0]: [[str(a), str(b)] for a, b in lines]
+               for title, lines in self.sections()},
+            "cases": {c.reduction.name: c.case for c in self.components},
+            "proof": [{"name": o.name, "law": o.law, "statement": o.statement(),
+                       "proven": ok} for o, ok in zip(self.obligations, self.status,
+                                                      strict=True)],
+        }, indent=2)
+
+    # Step 3. How to run it (numpy, the inputs' dtype) -------------------------------
+    def _running_fns(self):
+        return self.compiled("running", lambda: {k: compile_expr(v)
+                                                 for k, v in self.running.items()})
+
+    def compiled(self, key, build):
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
+
+    def _anchors(self, comp, state, params, dt) -> dict[str, np.ndarray]:
+        """The component's anchors at this state (plus the parameters its matrix reads)."""
+        fns = self._running_fns()
+        env = {**params, **state}
+        return {**params, **{a.name: fns[a.name](env, dt) for a in comp.anchors}}
+
+    def init(self, rows: tuple, dtype) -> dict[str, np.ndarray]:
+        dt = np.dtype(dtype)
+        state = {COUNT.name: np.zeros(rows + (1, 1), dt)} if self.uses_count else {}
+        for comp in self.components:
+            state.update(comp.init(rows + (1, 1), dt))
+        return state
+
+    def update(self, state: dict, element: dict, params: dict) -> dict:
+        """Fold one element (arrays (*rows, 1, F) by input name, plus 'i') into the state."""
+        dt = _dtype_of(state)
+        new = dict(state)
+        if self.uses_count:
+            new[COUNT.name] = state[COUNT.name] + dt.type(1)
+        for comp in self.components:
+            comp.update(state, new, element, self._anchors(comp, state, params, dt),
+                        self._anchors(comp, new, params, dt), dt)
+        return new
+
+    def merge(self, left: dict, right: dict, params: dict) -> dict:
+        """Combine two partial states (any order of association gives the same result)."""
+        dt = _dtype_of(left)
+        out = {}
+        if self.uses_count:
+            out[COUNT.name] = left[COUNT.name] + right[COUNT.name]
+        for comp in self.components:
+            comp.merge(left, right, out, self._anchors(comp, left, params, dt),
+                       self._anchors(comp, right, params, dt),
+                       self._anchors(comp, out, params, dt), dt)
+        return out
+
+    def finalize(self, state: dict, params: dict) -> dict[str, np.ndarray]:
+        """Every named result (reductions and epilogues) from a complete state."""
+        dt = _dtype_of(state)
+        env = {**params, **state}
+        return {k: f(env, dt) for k, f in self._running_fns().items()}
+
+    def evaluate(self, inputs: dict, chunks=None, tree=None) -> dict[str, np.ndarray]:
+        """Run the fused one-pass algorithm in numpy, in the inputs' dtype.
+
+        ``chunks``: chunk lengths (default: one chunk of N); each chunk is folded element
+        by element from ``init``, and the chunk states are merged along ``tree`` (nested
+        tuples of chunk numbers; default: left to right).
+
+        Examples
+        --------
+        >>> import redfuser
+        >>> x = np.array([[1.0, 3.0, 2.0]], np.float32)
+        >>> out = redfuser.derive("softmax").evaluate({"x": x}, chunks=[1, 2])
+        >>> np.round(out["y"], 4)
+        array([[0.09  , 0.6652, 0.2447]], dtype=float32)
+        """
+        from .interpret import run
+        return run(self, inputs, chunks, tree)
+
+
+def _dtype_of(state: dict) -> np.dtype:
+    for v in state.values():
+        if v.dtype.kind == "f":
+            return v.dtype
+    return np.dtype(np.float64)
+
+

@@ -1,0 +1,225 @@
+"""Stage 3, separate: split a reduction body into stream parts and anchor parts.
+
+Three analyses, one per algebraic family of ``laws.LAWS``:
+
+- ``linear_blocks`` (sum): body = sum_b C_b(a) * K_b(x, a), where C_b depends on the
+  anchors only (it moves to finalize) and K_b = sum_t exp(alpha_t(x) + beta_b(a)) * P_t(x, a)
+  with each P_t a polynomial in the anchors.  The exponential keeps its anchor part
+  (that is what keeps exp() in range); the polynomial keeps its shifted form
+  (that is what keeps variance stable).
+- ``monotone_core`` (max/min/arg*/topk): body = F(g(x), a) for one anchor-free g.
+- ``multiplicative_split`` (prod): body = C(a) * G(x).
+
+Anything else raises ``NotFusable`` naming the smallest offending sub-expression.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+import sympy as sp
+
+from .errors import NotFusable
+from .functions import Maximum, Minimum, Relu, Round
+
+
+@dataclass(frozen=True)
+class Block:
+    """Terms sharing one anchor-only factor ``coeff`` and one exponent anchor part ``beta``."""
+
+    coeff: sp.Expr
+    beta: sp.Expr
+    terms: tuple[tuple[sp.Expr, sp.Expr], ...]  # (alpha_t(x), P_t(x, a)), P_t polynomial in a
+
+    def kernel(self, deriv: dict[sp.Symbol, int] | None = None) -> sp.Expr:
+        """sum_t exp(alpha_t + beta) * d^deriv P_t / deriv!  (the Taylor coefficient T_deriv)."""
+        total = sp.S.Zero
+        for alpha, poly in self.terms:
+            for a, k in (deriv or {}).items():
+                poly = sp.diff(poly, a, k) / sp.factorial(k)
+            total += _exp(alpha + self.beta) * poly
+        return total
+
+
+def _exp(e: sp.Expr) -> sp.Expr:
+    return sp.S.One if e == 0 else sp.exp(e)
+
+
+def _mixes(e: sp.Expr, anchors: set, streams: set) -> bool:
+    free = e.free_symbols
+    return bool(free & anchors) and bool(free & streams)
+
+
+# Why each kind of node blocks separation, keyed by sympy class: data, not branches.
+_WHY = {
+    Round: "is piecewise constant in its argument: no identity re-anchors it, which blocks "
+           "exact fusion",
+    sp.floor: "is piecewise constant: no identity re-anchors it, which blocks exact fusion",
+    sp.ceiling: "is piecewise constant: no identity re-anchors it, which blocks exact fusion",
+    sp.sign: "is piecewise constant: no identity re-anchors it, which blocks exact fusion",
+    Relu: "is piecewise linear with a kink that moves with the anchor: not separable "
+          "(no finite sum of G(x)*H(anchor) equals it)",
+    sp.Abs: "has a kink that moves with the anchor: not separable (no finite sum of "
+            "G(x)*H(anchor) equals it)",
+    Maximum: "switches branch where the anchor crosses the stream: not separable",
+    Minimum: "switches branch where the anchor crosses the stream: not separable",
+    sp.exp: "has an exponent that does not split into a stream part plus an anchor part",
+    sp.Pow: "is not a polynomial in the anchor: a power, root or quotient of a stream-and-"
+            "anchor expression has no finite-rank G(x)*H(anchor) form",
+}
+
+
+def _separable(e: sp.Expr, anchors: set, streams: set) -> bool:
+    """True when e is built from stream-only and anchor-only parts by +, *, positive integer
+    powers, polynomials in the anchors and exponentials of separable exponents."""
+    if not _mixes(e, anchors, streams) or e.is_polynomial(*(e.free_symbols & anchors)):
+        return True
+    if e.is_Add or e.is_Mul:
+        return all(_separable(a, anchors, streams) for a in e.args)
+    if e.is_Pow and e.exp.is_Integer and e.exp > 0:
+        return _separable(e.base, anchors, streams)
+    if isinstance(e, sp.exp):
+        return all(not _mixes(t, anchors, streams) for t in sp.Add.make_args(sp.expand(e.args[0])))
+    return False
+
+
+def culprit(e: sp.Expr, anchors: set, streams: set) -> tuple[sp.Expr, str]:
+    """The smallest sub-expression of ``e`` that mixes stream and anchor non-separably."""
+    for arg in e.args:
+        if not _separable(arg, anchors, streams):
+            return culprit(arg, anchors, streams)
+    why = next((w for cls, w in _WHY.items() if isinstance(e, cls)),
+               f"({type(e).__name__} of a stream-and-anchor expression) is not separable: "
+               "it has no finite-rank G(x)*H(anchor) form")
+    return e, why
+
+
+def _split_terms(e: sp.Expr, has_exp) -> list[tuple[sp.Expr, sp.Expr]]:
+    """Distribute ``e`` into (exponent, rest) terms, opening only sums that hold an exp."""
+    if isinstance(e, sp.exp):
+        return [(e.args[0], sp.S.One)]
+    if e.is_Add and has_exp(e):
+        return [t for arg in e.args for t in _split_terms(arg, has_exp)]
+    if e.is_Mul and has_exp(e):
+        out = [(sp.S.Zero, sp.S.One)]
+        for arg in e.args:
+            out = [(x1 + x2, r1 * r2) for (x1, r1), (x2, r2) in
+                   product(out, _split_terms(arg, has_exp))]
+        return out
+    if e.is_Pow and e.exp.is_Integer and e.exp > 0 and has_exp(e.base):
+        return _split_terms(sp.Mul(*[e.base] * int(e.exp), evaluate=False), has_exp)
+    if e.is_Pow and isinstance(e.base, sp.exp):  # exp(a)**p == exp(p*a)
+        return [(e.base.args[0] * e.exp, sp.S.One)]
+    return [(sp.S.Zero, e)]
+
+
+def _split_exponent(expo, anchors, streams, name) -> tuple[sp.Expr, sp.Expr]:
+    alpha, beta = sp.S.Zero, sp.S.Zero
+    for t in sp.Add.make_args(sp.expand(expo)):
+        if _mixes(t, anchors, streams):
+            raise NotFusable(name, sp.exp(expo), _WHY[sp.exp])
+        if t.free_symbols & streams:
+            alpha += t
+        else:
+            beta += t
+    return alpha, beta
+
+
+def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[Block]:
+    """Decompose a sum body into blocks ``C_b(a) * sum_t exp(alpha_t + beta_b) * P_t``.
+
+    Examples
+    --------
+    >>> x, m, d = sp.symbols("x m d", real=True)
+    >>> [(b.coeff, b.beta, b.terms) for b in linear_blocks("o", sp.exp(x - m) / d, {m, d}, {x})]
+    [(1/d, -m, ((x, 1),))]
+    """
+
+    def has_exp(e):
+        return any(_mixes(f, anchors, streams) or f.free_symbols & anchors
+                   for f in e.atoms(sp.exp))
+
+    groups: dict[tuple[sp.Expr, sp.Expr], dict[sp.Expr, sp.Expr]] = {}
+    for expo, rest in _split_terms(body, has_exp):
+        alpha, beta = _split_exponent(expo, anchors, streams, name)
+        coeff, poly = sp.S.One, sp.S.One
+        if alpha == 0:  # exp of anchors alone: a plain anchor factor, finalize takes it
+            coeff, beta = _exp(beta), sp.S.Zero
+        for f in sp.Mul.make_args(rest):
+            if not f.free_symbols & anchors:
+                poly *= f
+            elif not f.free_symbols & streams:
+                coeff *= f
+            elif f.is_polynomial(*(f.free_symbols & anchors)):
+                poly *= f
+            else:
+                raise NotFusable(name, *culprit(f, anchors, streams))
+        terms = groups.setdefault((coeff, beta), {})
+        terms[alpha] = terms.get(alpha, sp.S.Zero) + poly
+    return [Block(c, b, tuple(t.items())) for (c, b), t in groups.items()]
+
+
+def taylor_indices(block: Block, anchors: set) -> list[dict[sp.Symbol, int]]:
+    """Multi-indices of the nonzero Taylor coefficients of the block in its polynomial anchors."""
+    poly_anchors = sorted({a for _, p in block.terms for a in p.free_symbols & anchors}, key=str)
+    degree = {a: max(sp.degree(p, a) for _, p in block.terms) for a in poly_anchors}
+    out = []
+    for ks in product(*(range(degree[a] + 1) for a in poly_anchors)):
+        idx = {a: k for a, k in zip(poly_anchors, ks, strict=True) if k}
+        if block.kernel(idx) != 0:
+            out.append(idx)
+    return out
+
+
+def monotone_core(name: str, body: sp.Expr, anchors: set, streams: set):
+    """Write ``body = F(g(x), a)`` with g anchor-free; returns (g, F, u) or raises NotFusable.
+
+    Examples
+    --------
+    >>> x, m, d = sp.symbols("x m d", real=True)
+    >>> g, F, u = monotone_core("t", sp.exp(x - m) / d, {m, d}, {x})
+    >>> g, F.subs(u, sp.Symbol("u"))
+    (x, exp(-m + u)/d)
+    """
+    u = sp.Dummy("u", real=True)
+    cores: set[sp.Expr] = set()
+
+    def walk(e):
+        if not e.free_symbols & anchors:
+            if e.free_symbols & streams:
+                cores.add(e)
+                return u
+            return e
+        if e.is_Atom:
+            return e
+        if e.is_Add or e.is_Mul:
+            free = [a for a in e.args if not a.free_symbols & anchors]
+            rest = [walk(a) for a in e.args if a.free_symbols & anchors]
+            return e.func(*rest, walk(e.func(*free))) if free else e.func(*rest)
+        return e.func(*[walk(a) for a in e.args])
+
+    F = walk(body)
+    if len(cores) != 1:
+        parts = ", ".join(f"`{c}`" for c in sorted(cores, key=str))
+        raise NotFusable(name, body, f"reads the stream through several parts ({parts}) "
+                                     "mixed with the anchors, so it is not a monotone function "
+                                     "of one stream quantity g(x)")
+    return cores.pop(), F, u
+
+
+def multiplicative_split(name: str, body: sp.Expr, anchors: set, streams: set):
+    """Write ``body = C(a) * G(x)`` (exp factors split in their exponent); else NotFusable."""
+    coeff, rest = sp.S.One, sp.S.One
+    for f in sp.Mul.make_args(sp.powsimp(body)):
+        if isinstance(f, sp.exp) and _mixes(f, anchors, streams):
+            alpha, beta = _split_exponent(f.args[0], anchors, streams, name)
+            coeff, rest = coeff * sp.exp(beta), rest * sp.exp(alpha)
+        elif not f.free_symbols & anchors:
+            rest *= f
+        elif not f.free_symbols & streams:
+            coeff *= f
+        else:
+            raise NotFusable(name, f, "is not a product of a stream factor and an anchor "
+                                      "factor, so prod() cannot pull the anchor out")
+    return coeff, rest

@@ -1,0 +1,373 @@
+"""Stages 1-2, parse and lift: spec text -> a ``Cascade`` of sympy reductions.
+
+The spec is parsed with Python's own ``ast`` (so ``;`` and ``#`` work and every node
+has a line and column); each statement is then lifted to sympy.  Lets are
+substituted, reductions inside epilogues are hoisted into hidden results, and a
+small shape lattice (scalar / feature vector / unknown / k values) rejects what
+can never run.  Every problem surfaces as ``SpecError`` with its position.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+from dataclasses import dataclass, field
+
+import sympy as sp
+
+from .errors import SpecError
+from .functions import FUNCTIONS, Dot
+from .laws import LAWS
+
+INDEX, LENGTH = "i", "N"  # the stream index and the stream length
+N = sp.Symbol(LENGTH, positive=True, integer=True)
+I = sp.Symbol(INDEX, nonnegative=True, integer=True)
+CONSTANTS = {"pi": sp.pi, "inf": sp.oo}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Shape of a per-element or per-row value: vec True/False/None(unknown), or k values."""
+
+    vec: bool | None = False
+    k: int | None = None
+
+    def join(self, other: Shape, node: ast.AST) -> Shape:
+        if self.k and other.k and self.k != other.k:
+            _fail(node, f"shape mismatch: {self.k} values combined with {other.k} values")
+        if (self.k and other.vec) or (other.k and self.vec):
+            _fail(node, "shape mismatch: top-k values combined with a feature-axis vector")
+        vec = True if (self.vec or other.vec) else (None if None in (self.vec, other.vec) else False)
+        return Shape(vec, self.k or other.k)
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One reduction over the stream: ``name = op(body[, k])``; anchors are earlier results."""
+
+    name: str
+    op: str
+    body: sp.Expr
+    k: int | None
+    anchors: tuple[sp.Symbol, ...]
+    line: int
+    col: int
+
+    @property
+    def symbol(self) -> sp.Symbol:
+        return sp.Symbol(self.name, **_result_assumptions(self.op, self.body))
+
+
+@dataclass(frozen=True)
+class Cascade:
+    """A lifted spec: inputs, reductions in dependence order, epilogues and per-element outputs."""
+
+    text: str
+    streams: tuple[sp.Symbol, ...]
+    params: tuple[sp.Symbol, ...]
+    vector_inputs: frozenset[str]
+    reductions: tuple[Reduction, ...]
+    epilogues: dict[str, sp.Expr]  # result name -> expression over reduction results
+    elementwise: dict[str, sp.Expr]  # per-element output -> expression over streams/results
+    outputs: tuple[str, ...]  # spec order
+    shapes: dict[str, Shape] = field(default_factory=dict)
+
+    @property
+    def results(self) -> dict[str, sp.Symbol]:
+        """Every named per-row value (reductions and epilogues) as its sympy symbol."""
+        syms = {r.name: r.symbol for r in self.reductions}
+        for name, expr in self.epilogues.items():
+            syms[name] = sp.Symbol(name, **_epilogue_assumptions(expr))
+        return syms
+
+
+def _result_assumptions(op: str, body: sp.Expr) -> dict:
+    law = LAWS[op]
+    if law.returns in ("index", "indices_k"):
+        return {"integer": True, "nonnegative": True}
+    if body.is_positive and law.family in ("linear", "multiplicative", "selecting"):
+        return {"positive": True}
+    return {"real": True}
+
+
+def _epilogue_assumptions(expr: sp.Expr) -> dict:
+    return {"positive": True} if expr.is_positive else {"real": True}
+
+
+def _fail(node: ast.AST, message: str):
+    raise SpecError(message, getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1)
+
+
+@dataclass
+class _Val:
+    expr: sp.Expr
+    shape: Shape
+    reduces: bool = False  # contains a reduction (hoisted) result
+
+
+class _Lifter:
+    """Walks the statements once, in order, building the Cascade."""
+
+    def __init__(self, text: str, tree: ast.Module):
+        self.text, self.tree = text, tree
+        self.assigned = {_target_name(s): s for s in tree.body}  # name -> defining statement
+        self.defined: dict[str, _Val] = {}  # lets, results and per-element outputs so far
+        self.kind: dict[str, str] = {}  # input name -> "stream" | "param"
+        self.vector: set[str] = set()
+        self.reductions: list[Reduction] = []
+        self.epilogues: dict[str, sp.Expr] = {}
+        self.elementwise: dict[str, sp.Expr] = {}
+        self.outputs: list[str] = []
+        self.shapes: dict[str, Shape] = {}
+        self.in_body: ast.AST | None = None  # the reduction call whose body is being lifted
+        self.target = ""
+
+    def run(self) -> Cascade:
+        for stmt in self.tree.body:
+            self.statement(stmt)
+        streams = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "stream")
+        params = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "param")
+        return Cascade(self.text, streams, params, frozenset(self.vector), tuple(self.reductions),
+                       self.epilogues, self.elementwise, tuple(self.outputs), self.shapes)
+
+    # Step 1. Statements -------------------------------------------------------------
+    def statement(self, stmt: ast.stmt):
+        self.target = name = _target_name(stmt)
+        per_element = isinstance(stmt.targets[0], ast.Subscript)
+        if per_element:
+            _index_of(stmt.targets[0])
+        if name in (INDEX, LENGTH) or name in CONSTANTS:
+            _fail(stmt, f"'{name}' is reserved and cannot be assigned")
+        if name in self.defined or name in self.elementwise:
+            _fail(stmt, f"'{name}' is assigned twice")
+        value = stmt.value
+        if isinstance(value, ast.Call) and _fname(value) in LAWS and not per_element:
+            self.reduction(name, value, hidden=False)
+            self.outputs.append(name)
+            return
+        val = self.expr(value)
+        streamed = bool(val.expr.free_symbols & (self._streams() | {I}))
+        if per_element:
+            self.elementwise[name] = val.expr
+            self.outputs.append(name)
+        elif val.reduces and not streamed:
+            self.epilogues[name] = val.expr
+            self.outputs.append(name)
+            sym = sp.Symbol(name, **_epilogue_assumptions(val.expr))
+            self.defined[name] = _Val(sym, val.shape, True)
+            self.shapes[name] = val.shape
+            return
+        self.defined[name] = val  # a let: substituted wherever it is read
+
+    def reduction(self, name: str, call: ast.Call, hidden: bool) -> _Val:
+        op = _fname(call)
+        law = LAWS[op]
+        if self.in_body is not None:
+            _fail(call, f"reduction '{op}' nested inside the body of another reduction "
+                        f"(line {self.in_body.lineno}); give the inner one its own statement")
+        nargs = 2 if law.takes_k else 1
+        if len(call.args) != nargs or call.keywords:
+            _fail(call, f"{op}() takes {'(expr, k)' if law.takes_k else 'one expression'}")
+        k = _int_literal(call.args[1]) if law.takes_k else None
+        self.in_body = call
+        try:
+            body = self.expr(call.args[0])
+        finally:
+            self.in_body = None
+        if (law.returns != "value" or law.takes_k) and body.shape.vec:
+            _fail(call.args[0], f"{op}() needs a scalar per element, not a feature-axis vector")
+        if body.shape.k:
+            _fail(call.args[0], f"{op}() over top-k values: reduce the stream, not a result")
+        results = {r.symbol for r in self.reductions} | {
+            sp.Symbol(n, **_epilogue_assumptions(e)) for n, e in self.epilogues.items()}
+        anchors = tuple(sorted(body.expr.free_symbols & results, key=str))
+        red = Reduction(name, op, body.expr, k, anchors, call.lineno, call.col_offset + 1)
+        self.reductions.append(red)
+        shape = Shape(False, k) if law.takes_k else Shape(body.shape.vec if
+                                                          law.returns == "value" else False)
+        self.shapes[name] = shape
+        val = _Val(red.symbol, shape, True)
+        if not hidden:
+            self.defined[name] = val
+        return val
+
+    # Step 2. Expressions ------------------------------------------------------------
+    def expr(self, node: ast.AST) -> _Val:
+        method = getattr(self, "e_" + type(node).__name__, None)
+        if method is None:
+            _fail(node, f"unsupported syntax: {ast.unparse(node)!r}")
+        return method(node)
+
+    def e_Constant(self, node):
+        if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
+            _fail(node, f"unsupported constant {node.value!r}")
+        return _Val(sp.nsimplify(node.value) if isinstance(node.value, float) else
+                    sp.Integer(node.value), Shape())
+
+    def e_UnaryOp(self, node):
+        v = self.expr(node.operand)
+        if isinstance(node.op, ast.USub):
+            return _Val(-v.expr, v.shape, v.reduces)
+        if isinstance(node.op, ast.UAdd):
+            return v
+        _fail(node, f"unsupported operator in {ast.unparse(node)!r}")
+
+    def e_BinOp(self, node):
+        a, b = self.expr(node.left), self.expr(node.right)
+        ops = {ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y,
+               ast.Mult: lambda x, y: x * y, ast.Div: lambda x, y: x / y,
+               ast.Pow: lambda x, y: x ** y}
+        fn = ops.get(type(node.op))
+        if fn is None:
+            _fail(node, f"unsupported operator in {ast.unparse(node)!r}")
+        return _Val(fn(a.expr, b.expr), a.shape.join(b.shape, node), a.reduces or b.reduces)
+
+    def e_Name(self, node):
+        return self.name(node.id, node, subscripted=False)
+
+    def e_Subscript(self, node):
+        if not isinstance(node.value, ast.Name):
+            _fail(node, f"only a name can be indexed, not {ast.unparse(node.value)!r}")
+        vector = _index_of(node)
+        if vector is None:  # g[:] : a per-row parameter with a feature axis
+            val = self.name(node.value.id, node, subscripted=False)
+            self._declare_vector(node.value.id, node)
+            return _Val(val.expr, Shape(True), val.reduces)
+        val = self.name(node.value.id, node, subscripted=True)
+        if vector:
+            self._declare_vector(node.value.id, node)
+            val = _Val(val.expr, Shape(True), val.reduces)
+        return val
+
+    def e_Call(self, node):
+        fname = _fname(node)
+        if fname in LAWS:
+            if self.in_body is None and not self.target:
+                _fail(node, "a reduction must be assigned to a name")
+            return self.reduction(self._hidden_name(fname), node, hidden=True)
+        fn = FUNCTIONS.get(fname)
+        if fn is None:
+            near = difflib.get_close_matches(fname or "", [*FUNCTIONS, *LAWS], n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            _fail(node, f"unknown function '{fname or ast.unparse(node.func)}'{hint}")
+        if len(node.args) != fn.arity or node.keywords:
+            _fail(node, f"{fname}() takes {fn.arity} argument(s), got {len(node.args)}")
+        args = [self.expr(a) for a in node.args]
+        if fname == "dot":
+            return self._dot(node, args)
+        shape = args[0].shape
+        for a in args[1:]:
+            shape = shape.join(a.shape, node)
+        return _Val(fn.build(*(a.expr for a in args)), shape, any(a.reduces for a in args))
+
+    def _dot(self, node, args: list[_Val]) -> _Val:
+        for arg_node, a in zip(node.args, args, strict=True):
+            if a.shape.vec is False or a.shape.k:
+                _fail(arg_node, f"shape mismatch: dot() needs feature-axis vectors, but "
+                                f"'{ast.unparse(arg_node)}' is a scalar")
+            if a.expr.is_Symbol and a.expr.name in self.kind:
+                self._declare_vector(a.expr.name, arg_node)
+        return _Val(Dot(args[0].expr, args[1].expr), Shape(False), any(a.reduces for a in args))
+
+    # Step 3. Names ------------------------------------------------------------------
+    def name(self, name: str, node: ast.AST, subscripted: bool) -> _Val:
+        if name == INDEX:
+            return _Val(I, Shape())
+        if name == LENGTH:
+            return _Val(N, Shape())
+        if name in CONSTANTS:
+            return _Val(CONSTANTS[name], Shape())
+        if name in self.elementwise:
+            return _Val(self.elementwise[name], Shape(None))
+        if name in self.defined:
+            return self.defined[name]
+        if name in self.assigned:
+            later = self.assigned[name]
+            reads = {n.id for n in ast.walk(later.value) if isinstance(n, ast.Name)}
+            if name == self.target or self.target in reads:
+                _fail(node, f"cycle: '{self.target}' and '{name}' are defined in terms of "
+                            "each other" if name != self.target else
+                            f"cycle: '{name}' is defined in terms of itself")
+            _fail(node, f"'{name}' is used before its definition on line {later.lineno}")
+        kind = "stream" if subscripted else "param"
+        if self.kind.setdefault(name, kind) != kind:
+            _fail(node, f"'{name}' is used both as a stream ({name}[i]) and as a per-row "
+                        f"parameter ({name})")
+        return _Val(sp.Symbol(name, real=True), Shape(True if name in self.vector else None))
+
+    def _declare_vector(self, name: str, node: ast.AST):
+        if name not in self.kind:
+            _fail(node, f"'{name}' is computed, not an input: its feature axis follows "
+                        "from its definition")
+        self.vector.add(name)
+
+    def _streams(self) -> set[sp.Symbol]:
+        return {sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "stream"}
+
+    def _hidden_name(self, op: str) -> str:
+        base = f"{self.target}_{op}"
+        taken = {r.name for r in self.reductions} | set(self.assigned)
+        name, n = base, 1
+        while name in taken:
+            n += 1
+            name = f"{base}{n}"
+        return name
+
+
+def _target_name(stmt: ast.stmt) -> str:
+    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+        _fail(stmt, "each statement must be a single assignment 'name = expression'")
+    t = stmt.targets[0]
+    if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):
+        return t.value.id
+    if not isinstance(t, ast.Name):
+        _fail(t, f"cannot assign to {ast.unparse(t)!r}: write 'name = ...' or 'name[i] = ...'")
+    return t.id
+
+
+def _index_of(node: ast.Subscript) -> bool | None:
+    """``x[i]`` -> False, ``x[i, :]`` -> True (feature axis), ``g[:]`` -> None."""
+    s = node.slice
+    if isinstance(s, ast.Name) and s.id == INDEX:
+        return False
+    if isinstance(s, ast.Slice) and s.lower is s.upper is s.step is None:
+        return None
+    if (isinstance(s, ast.Tuple) and len(s.elts) == 2 and isinstance(s.elts[0], ast.Name)
+            and s.elts[0].id == INDEX and isinstance(s.elts[1], ast.Slice)):
+        return True
+    _fail(node, f"streams are indexed by '{INDEX}' only (x[i] or x[i, :]), "
+                f"not {ast.unparse(node)!r}")
+
+
+def _fname(call: ast.Call) -> str | None:
+    return call.func.id if isinstance(call.func, ast.Name) else None
+
+
+def _int_literal(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int and node.value > 0:
+        return node.value
+    _fail(node, f"k must be a positive integer literal, not {ast.unparse(node)!r}")
+
+
+def parse(text: str) -> Cascade:
+    """Parse and lift a cascade spec.
+
+    Examples
+    --------
+    >>> c = parse("m = max(x[i]); d = sum(exp(x[i] - m))")
+    >>> [(r.name, r.op, r.body, r.anchors) for r in c.reductions]
+    [('m', 'max', x, ()), ('d', 'sum', exp(-m + x), (m,))]
+    """
+    if not isinstance(text, str):
+        raise SpecError(f"a spec is a string, not {type(text).__name__}")
+    try:
+        tree = ast.parse(text, mode="exec")
+    except SyntaxError as e:
+        raise SpecError(f"syntax error: {e.msg}", e.lineno, e.offset) from None
+    if not tree.body:
+        raise SpecError("empty spec: write at least one reduction, e.g. 'm = max(x[i])'", 1, 1)
+    cascade = _Lifter(text, tree).run()
+    if not cascade.reductions:
+        raise SpecError("the spec has no reduction (sum, max, min, prod, argmax, argmin, "
+                        "topk, argtopk)", 1, 1)
+    return cascade
