@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import sympy as sp
 
-from .components import (COUNT, U, Component, LinearComponent, ProductComponent,
-                         SelectComponent, StateVar, primed)
+from .components import (
+    COUNT,
+    Component,
+    LinearComponent,
+    ProductComponent,
+    SelectComponent,
+    StateVar,
+    U,
+    primed,
+)
 from .errors import NotFusable
 from .laws import LAWS
 from .prove import Obligation
 from .separate import Block, linear_blocks, monotone_core, multiplicative_split, taylor_indices
-from .spec import I, N, Cascade, Reduction
+from .spec import POSITION, Cascade, N, Reduction
 
 
 def derive_components(cascade: Cascade) -> tuple[Component, ...]:
     """Fused components of every reduction, in dependence order."""
-    streams = set(cascade.streams) | {I}
+    streams = set(cascade.streams) | {POSITION}
     family = {"linear": _linear, "selecting": _select, "multiplicative": _product}
     return tuple(family[LAWS[r.op].family](r, set(r.anchors), streams) for r in cascade.reductions)
 
@@ -56,14 +64,14 @@ def _linear(r: Reduction, anchors: set, streams: set) -> LinearComponent:
     entries: dict[tuple[sp.Symbol, sp.Symbol], sp.Expr] = {}
     finalize = sp.S.Zero
     for block in blocks:
-        cols, psis, matrix = _block_columns(r.name, block, anchors, taken)
+        cols, psis, matrix, c0 = _block_columns(r.name, block, anchors, streams, taken)
         for (ci, cj), v in matrix.items():
             entries[(cols[ci], cols[cj])] = v
         for c, psi in zip(cols, psis, strict=True):
             if c not in columns:
                 columns.append(c)
                 basis.append(psi)
-        finalize += block.coeff * _content(block.kernel())[0] * cols[0]
+        finalize += block.coeff * c0 * cols[0]
     index = {c: k for k, c in enumerate(columns)}
     A = sp.zeros(len(columns))
     for (ci, cj), v in entries.items():
@@ -71,30 +79,41 @@ def _linear(r: Reduction, anchors: set, streams: set) -> LinearComponent:
     state = tuple(StateVar(c, sp.S.Zero, _meaning(psi, r.anchors))
                   for c, psi in zip(columns, basis, strict=True) if c != COUNT)
     obligations = _linear_obligations(r, columns, basis, A, finalize)
-    rank = len(columns)
-    case = ("plain sum (reads no earlier result)" if not r.anchors else
-            f"finite-rank re-anchoring (rank {rank}): when {_names(r.anchors)} move, the "
-            f"state is mapped by a derived {rank}x{rank} matrix")
-    coeffs = [b.coeff for b in blocks if b.coeff != 1]
-    if coeffs:
-        case += "; anchor-only factor " + ", ".join(map(str, coeffs)) + " applied at finalize"
+    case = _linear_case(r, A, [b.coeff for b in blocks if b.coeff != 1])
     return LinearComponent(r, case, state, r.anchors, finalize, obligations,
                            columns=tuple(columns), basis=tuple(basis), matrix=A)
 
 
-def _content(t: sp.Expr) -> tuple[sp.Expr, sp.Expr]:
-    """t = c * psi with c a number and psi primitive, leading sign positive."""
+def _linear_case(r: Reduction, A: sp.Matrix, coeffs: list) -> str:
+    changes = f"when {_names(r.anchors)} change{'s' if len(r.anchors) == 1 else ''}"
+    if A == sp.eye(A.rows):
+        case = "plain sum" + (" (the state reads no earlier result)" if r.anchors else "")
+    elif A.rows == 1:
+        case = f"rank-1 re-anchoring: the state is scaled by {A[0, 0]} {changes}"
+    else:
+        case = (f"finite-rank re-anchoring (rank {A.rows}): the state vector is mapped by a "
+                f"derived {A.rows}x{A.rows} matrix A({_names(r.anchors)} -> new) {changes}")
+    if coeffs:
+        case += "; anchor-only factor " + ", ".join(map(str, coeffs)) + " applied at finalize"
+    return case
+
+
+def _content(t: sp.Expr, streams: set) -> tuple[sp.Expr, sp.Expr]:
+    """t = c * psi with c a number and psi primitive, signed so that psi is positive where
+    the stream dominates (the state reads sum(x - mean), not sum(mean - x))."""
     c, psi = t.as_content_primitive()
-    if psi.could_extract_minus_sign():
-        c, psi = -c, -psi
-    return c, psi
+    probe = {s: (sp.Integer(1000) + k if s in streams else sp.Rational(1, 2 + k))
+             for k, s in enumerate(sorted(psi.free_symbols, key=str))}
+    value = psi.subs(probe).evalf()
+    negative = value.is_negative if value.is_number else psi.could_extract_minus_sign()
+    return (-c, -psi) if negative else (c, psi)
 
 
-def _block_columns(name: str, block: Block, anchors: set, taken: set):
+def _block_columns(name: str, block: Block, anchors: set, streams: set, taken: set):
     """State columns of one block: Taylor coefficients T_g = c_g * psi_g, and the matrix
     T_g(a') = exp(beta(a') - beta(a)) * sum_{h >= g} binom(h, g) (a' - a)**(h - g) T_h(a)."""
     idxs = taylor_indices(block, anchors)
-    parts = [_content(block.kernel(ix)) for ix in idxs]
+    parts = [_content(block.kernel(ix), streams) for ix in idxs]
     cols = []
     for k, (_, psi) in enumerate(parts):
         if psi == 1:
@@ -116,7 +135,7 @@ def _block_columns(name: str, block: Block, anchors: set, taken: set):
                     kg = g.get(a, 0)
                     entry *= sp.binomial(ka, kg) * (primed(a) - a) ** (ka - kg)
                 matrix[(gi, hi)] = entry
-    return cols, [p for _, p in parts], matrix
+    return cols, [p for _, p in parts], matrix, parts[0][0]
 
 
 def _meaning(psi: sp.Expr, anchors) -> str:

@@ -23,7 +23,7 @@ class _Named(sp.Function):
     spec_name = ""
 
     def _sympystr(self, printer):
-        return "%s(%s)" % (self.spec_name, ", ".join(printer._print(a) for a in self.args))
+        return "{}({})".format(self.spec_name, ", ".join(printer._print(a) for a in self.args))
 
 
 class Sigmoid(_Named):
@@ -47,7 +47,7 @@ class Sigmoid(_Named):
         return self.args[0].is_extended_real
 
     def _latex(self, printer):
-        return r"\sigma\left(%s\right)" % printer._print(self.args[0])
+        return rf"\sigma\left({printer._print(self.args[0])}\right)"
 
 
 class Relu(_Named):
@@ -124,7 +124,7 @@ class Maximum(_Named):
         return self.args[0].is_extended_real and self.args[1].is_extended_real
 
     def _latex(self, printer):
-        return r"\max\left(%s, %s\right)" % tuple(printer._print(a) for a in self.args)
+        return r"\max\left({}, {}\right)".format(*tuple(printer._print(a) for a in self.args))
 
 
 class Minimum(_Named):
@@ -147,7 +147,7 @@ class Minimum(_Named):
         return self.args[0].is_extended_real and self.args[1].is_extended_real
 
     def _latex(self, printer):
-        return r"\min\left(%s, %s\right)" % tuple(printer._print(a) for a in self.args)
+        return r"\min\left({}, {}\right)".format(*tuple(printer._print(a) for a in self.args))
 
 
 class Dot(_Named):
@@ -161,7 +161,8 @@ class Dot(_Named):
         return self.args[0].is_extended_real and self.args[1].is_extended_real
 
     def _latex(self, printer):
-        return r"\left\langle %s, %s\right\rangle" % tuple(printer._print(a) for a in self.args)
+        a, b = (printer._print(a) for a in self.args)
+        return rf"\left\langle {a}, {b}\right\rangle"
 
 
 def _np_sigmoid(x):

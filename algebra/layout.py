@@ -41,7 +41,7 @@ def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
     Examples
     --------
     >>> from algebra.spec import parse
-    >>> c = parse("m = max(s); s = dot(q, k[i])".split(";")[1] + "; m = max(s)")
+    >>> c = parse("s = dot(q, k[i]); m = max(s)")
     >>> lay = resolve(c, {"q": np.ones((2, 3, 4)), "k": np.ones((2, 1, 5, 4))})
     >>> lay.rows, lay.n, lay.d, lay.arrays["k"].shape, lay.arrays["q"].shape
     ((2, 3), 5, 4, (2, 1, 5, 4), (2, 3, 1, 4))

@@ -101,13 +101,13 @@ class FusionRule:
     def to_latex(self) -> str:
         """The rule as a LaTeX ``aligned`` block per section."""
         def tex(v):
-            return sp.latex(v) if isinstance(v, sp.Basic) else r"\text{%s}" % str(v).replace(
-                "_", r"\_")
+            return sp.latex(v) if isinstance(v, sp.Basic) else r"\text{{{}}}".format(str(v).replace(
+                "_", r"\_"))
         out = []
         for title, lines in self.sections():
             if lines and not title.startswith("state"):
                 rows = r" \\ ".join(f"{tex(lhs)} &= {tex(rhs)}" for lhs, rhs in lines)
-                out.append(r"\text{%s:}\quad\begin{aligned}%s\end{aligned}" % (
+                out.append(r"\text{{{}:}}\quad\begin{{aligned}}{}\end{{aligned}}".format(
                     title.split(" (")[0], rows))
         out += [o.latex() for o in self.obligations]
         return "\n".join(out)

@@ -21,7 +21,7 @@ from .laws import LAWS
 
 INDEX, LENGTH = "i", "N"  # the stream index and the stream length
 N = sp.Symbol(LENGTH, positive=True, integer=True)
-I = sp.Symbol(INDEX, nonnegative=True, integer=True)
+POSITION = sp.Symbol(INDEX, nonnegative=True, integer=True)
 CONSTANTS = {"pi": sp.pi, "inf": sp.oo}
 
 
@@ -37,7 +37,8 @@ class Shape:
             _fail(node, f"shape mismatch: {self.k} values combined with {other.k} values")
         if (self.k and other.vec) or (other.k and self.vec):
             _fail(node, "shape mismatch: top-k values combined with a feature-axis vector")
-        vec = True if (self.vec or other.vec) else (None if None in (self.vec, other.vec) else False)
+        unknown = None in (self.vec, other.vec)
+        vec = True if (self.vec or other.vec) else (None if unknown else False)
         return Shape(vec, self.k or other.k)
 
 
@@ -146,7 +147,7 @@ class _Lifter:
             self.outputs.append(name)
             return
         val = self.expr(value)
-        streamed = bool(val.expr.free_symbols & (self._streams() | {I}))
+        streamed = bool(val.expr.free_symbols & (self._streams() | {POSITION}))
         if per_element:
             self.elementwise[name] = val.expr
             self.outputs.append(name)
@@ -272,7 +273,7 @@ class _Lifter:
     # Step 3. Names ------------------------------------------------------------------
     def name(self, name: str, node: ast.AST, subscripted: bool) -> _Val:
         if name == INDEX:
-            return _Val(I, Shape())
+            return _Val(POSITION, Shape())
         if name == LENGTH:
             return _Val(N, Shape())
         if name in CONSTANTS:
