@@ -112,7 +112,7 @@ def _content(t: sp.Expr, streams: set) -> tuple[sp.Expr, sp.Expr]:
 def _block_columns(name: str, block: Block, anchors: set, streams: set, taken: set):
     """State columns of one block: Taylor coefficients T_g = c_g * psi_g, and the matrix
     T_g(a') = exp(beta(a') - beta(a)) * sum_{h >= g} binom(h, g) (a' - a)**(h - g) T_h(a)."""
-    idxs = taylor_indices(block, anchors)
+    idxs = taylor_indices(name, block, anchors)
     parts = [_content(block.kernel(ix), streams) for ix in idxs]
     cols = []
     for k, (_, psi) in enumerate(parts):

@@ -160,10 +160,20 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[
     return [Block(c, b, tuple(t.items())) for (c, b), t in groups.items()]
 
 
-def taylor_indices(block: Block, anchors: set) -> list[dict[sp.Symbol, int]]:
+MAX_RANK = 16  # state sums per block: beyond this a "one pass" costs more than it saves
+
+
+def taylor_indices(name: str, block: Block, anchors: set) -> list[dict[sp.Symbol, int]]:
     """Multi-indices of the nonzero Taylor coefficients of the block in its polynomial anchors."""
     poly_anchors = sorted({a for _, p in block.terms for a in p.free_symbols & anchors}, key=str)
     degree = {a: max(sp.degree(p, a) for _, p in block.terms) for a in poly_anchors}
+    size = 1
+    for a in poly_anchors:
+        size *= degree[a] + 1
+    if size > MAX_RANK:
+        culprit_term = max((p for _, p in block.terms), key=lambda p: sp.count_ops(p))
+        raise NotFusable(name, culprit_term, f"needs {size} state sums to re-anchor (degrees "
+                         f"{degree} in the anchors), more than the limit of {MAX_RANK}")
     out = []
     for ks in product(*(range(degree[a] + 1) for a in poly_anchors)):
         idx = {a: k for a, k in zip(poly_anchors, ks, strict=True) if k}

@@ -221,7 +221,11 @@ class _Lifter:
         fn = ops.get(type(node.op))
         if fn is None:
             _fail(node, f"unsupported operator in {ast.unparse(node)!r}")
-        return _Val(fn(a.expr, b.expr), a.shape.join(b.shape, node), a.reduces or b.reduces)
+        value = fn(a.expr, b.expr)
+        if value.has(sp.zoo, sp.nan, sp.I):
+            _fail(node, f"'{ast.unparse(node)}' is undefined (division by zero or a complex "
+                        "value)")
+        return _Val(value, a.shape.join(b.shape, node), a.reduces or b.reduces)
 
     def e_Name(self, node):
         return self.name(node.id, node, subscripted=False)
@@ -259,7 +263,10 @@ class _Lifter:
         shape = args[0].shape
         for a in args[1:]:
             shape = shape.join(a.shape, node)
-        return _Val(fn.build(*(a.expr for a in args)), shape, any(a.reduces for a in args))
+        value = fn.build(*(a.expr for a in args))
+        if value.has(sp.zoo, sp.nan, sp.I):
+            _fail(node, f"'{ast.unparse(node)}' is undefined (a complex or infinite value)")
+        return _Val(value, shape, any(a.reduces for a in args))
 
     def _dot(self, node, args: list[_Val]) -> _Val:
         for arg_node, a in zip(node.args, args, strict=True):
