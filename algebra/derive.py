@@ -207,7 +207,7 @@ def _select(r: Reduction, anchors: set, streams: set) -> SelectComponent:
             Obligation(f"{r.name}: factorization", "the body is F(g(x), a) with g anchor-free",
                        F.subs(U, g), r.body),
             Obligation(f"{r.name}: monotone", f"F is {word} in g, so {r.op} commutes with it",
-                       sp.diff(F, U), sign=sign))
+                       _derivative(F, g), sign=sign))
         swap = "" if direction == law.direction else " (direction swapped)"
         case = (f"monotone commutation: F(u) = {F} is {word} in g = {g}, so "
                 f"{r.op}(F(g)) = F({r.op}(g)){swap}; the dependence on {_names(r.anchors)} "
@@ -216,8 +216,14 @@ def _select(r: Reduction, anchors: set, streams: set) -> SelectComponent:
                            core=g, outer=F, direction=direction, k=k)
 
 
-def _monotone_sign(r: Reduction, g, F, strict: bool) -> str:
+def _derivative(F: sp.Expr, g: sp.Expr) -> sp.Expr:
+    """dF/du, with u known positive when g is (u only takes the values of g)."""
     dF = sp.diff(F, U)
+    return dF.subs(U, sp.Symbol(U.name, positive=True)) if g.is_positive else dF
+
+
+def _monotone_sign(r: Reduction, g, F, strict: bool) -> str:
+    dF = _derivative(F, g)
     signs = ("positive", "negative") if strict else ("positive", "negative", "nonnegative",
                                                      "nonpositive")
     for sign in signs:

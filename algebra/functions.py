@@ -61,13 +61,27 @@ class Relu(_Named):
             return sp.Max(x, 0)
 
     def fdiff(self, argindex=1):
-        return sp.Heaviside(self.args[0], 1)
+        return Step(self.args[0])
 
     def _eval_is_nonnegative(self):
         return self.args[0].is_extended_real
 
     def _eval_is_extended_real(self):
         return self.args[0].is_extended_real
+
+
+class Step(_Named):
+    """Heaviside step with step(0) = 1: relu's derivative, known to be non-negative."""
+
+    spec_name = "step"
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_Number:
+            return sp.S.One if x >= 0 else sp.S.Zero
+
+    def _eval_is_nonnegative(self):
+        return True
 
 
 class Softplus(_Named):
