@@ -1,0 +1,122 @@
+"""Stage 8, build: ``Kernel``, the callable compiled form of a rule.
+
+Calling convention (the algebra engine's): any number of row axes broadcasting like
+numpy (attention's K and V of shape (H, 1, N, D) are read once per head, never
+copied per query), streams (*rows, N[, D]), parameters scalars or (*rows[, D]);
+outputs (*rows[, D or k]) and per-element outputs (*rows, N[, D]).  Inputs are
+passed to TVM without a copy when they are float32 and contiguous (numpy arrays or
+any DLPack tensor such as torch's).  Kernels are specialised per shape: the first
+call with a new geometry compiles (tens of milliseconds), later calls hit a cache.
+"""
+
+from __future__ import annotations
+
+from numbers import Number
+
+import numpy as np
+
+from algebra.layout import resolve, to_user
+from algebra.rule import FusionRule
+
+from .analysis import Geometry, geometry
+from .plan import Plan, choose
+from .tvm_adapter import build, cpu_target, cuda_source, cuda_target, empty_aligned, from_numpy
+from .variants import build_primfunc, result_dtype
+
+TARGETS = {"cpu": cpu_target, "cuda": cuda_target}
+FUNC_NAME = "redfuser_kernel"
+
+
+class Kernel:
+    """A compiled fusion rule: ``kernel(**inputs) -> dict[str, np.ndarray]``."""
+
+    def __init__(self, rule: FusionRule, target: str = "cpu", variant: str | None = None,
+                 splits: int | None = None, fast_math: bool = True, threads: int | None = None):
+        if target not in TARGETS:
+            raise ValueError(f"target must be one of {sorted(TARGETS)}, not {target!r}")
+        self.rule, self.target = rule, target
+        self.options = {"variant": variant, "splits": splits, "fast_math": fast_math,
+                        "threads": threads}
+        self._cache: dict[tuple, tuple] = {}
+        self._last: tuple | None = None
+
+    # Step 1. Check the inputs ---------------------------------------------------------
+    def _layout(self, inputs: dict):
+        for name, value in inputs.items():
+            if isinstance(value, Number) or not hasattr(value, "dtype"):
+                continue
+            dtype = np.dtype(str(value.dtype).replace("torch.", ""))
+            if dtype != np.float32:
+                raise TypeError(f"input '{name}' has dtype {dtype}; this kernel computes in "
+                                "float32: pass float32 arrays")
+        return resolve(self.rule.cascade, inputs, dtype=np.float32)
+
+    # Step 2. Compile for this geometry (cached) ---------------------------------------
+    def _compiled(self, geo: Geometry):
+        plan = choose(self.rule, geo, **self.options)
+        key = (geo.key(), plan)
+        if key not in self._cache:
+            func = build_primfunc(self.rule, geo, plan, FUNC_NAME)
+            self._cache[key] = (func, build(func, TARGETS[self.target]()), plan)
+        self._last = self._cache[key]
+        return self._cache[key]
+
+    # Step 3. Run ----------------------------------------------------------------------
+    def __call__(self, **inputs) -> dict[str, np.ndarray]:
+        layout = self._layout(inputs)
+        geo = geometry(self.rule, layout)
+        _, executable, _ = self._compiled(geo)
+        if self.target != "cpu":
+            raise RuntimeError("running CUDA kernels needs a GPU; use kernel.cuda_source()")
+        args = [from_numpy(layout.arrays[k].reshape(g.count, g.length, g.width))
+                for k, g in sorted(geo.inputs.items())]
+        outs = self._outputs(geo)
+        executable[FUNC_NAME](*args, *(from_numpy(o) for o in outs.values()))
+        values = {k: _canonical(self.rule, geo, k, v) for k, v in outs.items()}
+        return to_user(self.rule.cascade, layout, values)
+
+    def _outputs(self, geo: Geometry) -> dict[str, np.ndarray]:
+        from .variants import _elementwise_width, result_width
+
+        out = {}
+        for name in self.rule.outputs:
+            if name in self.rule.cascade.elementwise:
+                width = _elementwise_width(self.rule, geo, name)
+                out[name] = empty_aligned((geo.r, geo.n, width), np.float32)
+            else:
+                out[name] = empty_aligned((geo.r, result_width(self.rule, geo, name)),
+                                          result_dtype(self.rule, name))
+        return out
+
+    # Step 4. Show ---------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the most recent call (variant, lanes, splits and why)."""
+        return self._last[2] if self._last else None
+
+    def source(self) -> str:
+        """TVMScript of the most recently compiled PrimFunc."""
+        if self._last is None:
+            raise RuntimeError("call the kernel once (or use compile(..., example=...)) first")
+        return self._last[0].script()
+
+    def cuda_source(self) -> str:
+        if self.target != "cuda" or self._last is None:
+            raise RuntimeError("cuda_source() needs a kernel compiled with target='cuda'")
+        return cuda_source(self._last[1])
+
+    def prepare(self, **inputs) -> Kernel:
+        """Compile for the geometry of ``inputs`` without running (arrays may be dummies)."""
+        self._compiled(geometry(self.rule, self._layout(inputs)))
+        return self
+
+
+def _canonical(rule, geo: Geometry, name: str, v: np.ndarray) -> np.ndarray:
+    rows = geo.rows
+    if name in rule.cascade.elementwise:
+        return v.reshape(rows + v.shape[1:])
+    shape = rule.cascade.shapes.get(name)
+    if shape is not None and shape.k:
+        return v.reshape(rows + (v.shape[1], 1))
+    return v.reshape(rows + (1, v.shape[1]))
+

@@ -1,0 +1,318 @@
+"""Stage 6, lower: FusionRule + Geometry + Plan -> one TIR PrimFunc (built with TVM's IRBuilder).
+
+The kernel is generated from the rule's state, update, merge and finalize, the same
+code path for every cascade.  Per row (rows run in parallel): state registers per
+lane, the element update folded over the stream, the lanes combined with the
+derived merge, finalize, then the per-element outputs in a second pass.  The split
+variant stores each piece's state in a workspace and merges the pieces; the
+unfused variant runs one such loop nest per reduction.
+
+The re-anchoring laws of ``algebra.components`` are kept: an unmoved anchor keeps
+the state (Select on equality, so -inf - -inf is never used) and a factor or state
+that is exactly 0 gives 0 (``_mul0``).
+"""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from algebra.components import COUNT, INDEX_SENTINEL, LinearComponent, SelectComponent, primed
+from algebra.rule import FusionRule
+from algebra.spec import INDEX, LENGTH
+
+from .analysis import Geometry
+from .plan import Plan
+from .texpr import const, to_tir
+from .tvm_adapter import T, tirx
+
+F32, I64 = "float32", "int64"
+
+
+def _mul0(a, b):
+    zero = const(0)
+    return tirx.Select(tirx.Or(a == zero, b == zero), zero, a * b)
+
+
+def _all(conds):
+    out = None
+    for c in conds:
+        out = c if out is None else tirx.And(out, c)
+    return out
+
+
+class States:
+    """Local registers of every state variable: one row of ``width`` slots per lane."""
+
+    def __init__(self, rule: FusionRule, geo: Geometry, lanes: int):
+        self.bufs, self.widths, self.kinds = {}, {}, {}
+        for s in rule.state:
+            name, kind = s.symbol.name, s.kind
+            width = (rule_k(rule, name) if kind.endswith("_k") else geo.width(name))
+            dtype = I64 if kind.startswith("ind") else F32
+            self.bufs[name] = T.alloc_buffer((lanes, width), dtype, scope="local")
+            self.widths[name], self.kinds[name] = width, kind
+        self.inits = {s.symbol.name: s.init for s in rule.state}
+
+    def get(self, name, lane, slot=0):
+        return self.bufs[name][lane, slot if self.widths[name] > 1 else 0]
+
+    def set(self, name, lane, value, slot=0):
+        T.buffer_store(self.bufs[name], value, [lane, slot if self.widths[name] > 1 else 0])
+
+    def init(self, lane):
+        for name, buf in self.bufs.items():
+            with T.serial(0, self.widths[name]) as s:
+                value = tirx.const(INDEX_SENTINEL, I64) if self.kinds[name].startswith("ind") \
+                    else const(float(self.inits[name]))
+                T.buffer_store(buf, value, [lane, s])
+
+
+def rule_k(rule: FusionRule, name: str) -> int:
+    return next(c.k for c in rule.components for s in c.state if s.symbol.name == name)
+
+
+class Emitter:
+    """Emits the statements of one kernel into the active IRBuilder frame."""
+
+    def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict):
+        self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
+        self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
+        self.anchor_names = sorted({a.name for c in rule.components for a in c.anchors})
+
+    # Step 1. Reading values ---------------------------------------------------------
+    def row_of(self, name: str, r):
+        g = self.geo.inputs[name]
+        if g.rows == self.geo.rows:
+            return r
+        idx, inner = tirx.const(0, I64), 1
+        for size, stride, own in reversed(list(zip(self.geo.rows, g.strides, g.rows,
+                                                   strict=True))):
+            if own > 1:
+                idx = idx + tirx.floormod(tirx.floordiv(r, inner), size) * stride
+            inner *= size
+        return idx
+
+    def base_lookup(self, r, i=None, slot=0, extra=None):
+        """Inputs at row r (stream element i), N, i, per-row values, then ``extra``."""
+        extra = extra or {}
+
+        def look(sym):
+            if sym in extra:
+                return extra[sym]
+            name = sym.name
+            if name in extra:
+                return extra[name]
+            if name in self.geo.inputs:
+                g = self.geo.inputs[name]
+                at = slot if g.width > 1 else 0
+                pos = i if g.length > 1 else 0
+                return self.bufs[name][self.row_of(name, r), pos, at]
+            if name in self.rowvals:
+                value = self.rowvals[name]
+                if isinstance(value, sp.Expr):  # an epilogue: computed where it is read
+                    return self.expr(value, look)
+                buf, width = value
+                return buf[r, slot if width > 1 else 0]
+            if name == LENGTH:
+                return const(self.geo.n)
+            if name == INDEX:
+                return tirx.Cast(F32, i)
+            raise KeyError(f"no value for `{sym}` while lowering")
+
+        return look
+
+    def expr(self, e: sp.Expr, look):
+        return to_tir(e, look, F32, self.plan.fast_math)
+
+    def state_lookup(self, st: States, lane, r, slot=0, extra=None):
+        vals = {n: st.get(n, lane, slot) for n in st.bufs}
+        return self.base_lookup(r, None, slot, {**vals, **(extra or {})})
+
+    def anchors_at(self, st, lane, r, names):
+        return {a: T.bind(self.expr(self.rule.running[a], self.state_lookup(st, lane, r)))
+                for a in names}
+
+    # Step 2. One element ------------------------------------------------------------
+    def dots(self, r, i):
+        out = {}
+        for dot in sorted({d for c in self.rule.components for e in _exprs(c)
+                           for d in e.atoms(_Dot())}, key=str):
+            acc = T.alloc_buffer((1,), F32, scope="local")
+            T.buffer_store(acc, const(0), [0])
+            with T.serial(0, self.geo.d) as f:
+                look = self.base_lookup(r, i, f)
+                T.buffer_store(acc, acc[0] + self.expr(dot.args[0], look) *
+                               self.expr(dot.args[1], look), [0])
+            out[dot] = T.bind(acc[0])
+        return out
+
+    def update(self, st: States, lane, i, r):
+        dots = self.dots(r, i)
+        old = self.anchors_at(st, lane, r, self.anchor_names)
+        if COUNT.name in st.bufs:
+            st.set(COUNT.name, lane, st.get(COUNT.name, lane) + const(1))
+        for comp in self.rule.components:
+            new = self.anchors_at(st, lane, r, [a.name for a in comp.anchors])
+            if isinstance(comp, LinearComponent):
+                self._linear(st, comp, [(lane, old)], lane, new, r,
+                             lambda slot, c=comp, new=new: self._basis(c, r, i, slot, new, dots))
+            elif isinstance(comp, SelectComponent):
+                g = self.expr(comp.core, self.base_lookup(r, i, 0, dots))
+                self._select_insert(st, comp, lane, g, tirx.Cast(I64, i))
+            else:
+                name = comp.state[0].symbol.name
+                with self._slots(st.widths[name]) as slot:
+                    st.set(name, lane, st.get(name, lane, slot) *
+                           self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
+
+    def _basis(self, comp, r, i, slot, anchors, dots):
+        look = self.base_lookup(r, i, slot, {**dots, **anchors})
+        return [self.expr(b, look) for b in comp.basis]
+
+    def _slots(self, width):
+        return T.serial(0, width) if width > 1 else _Const0()
+
+    def _linear(self, st, comp, sources, lane_out, new, r, fresh):
+        """S_out = sum over sources (lane, anchors) of A(anchors -> new) S_lane [+ fresh]."""
+        cols = [c.name for c in comp.columns]
+        width = max(st.widths.get(c, 1) for c in cols)
+        with self._slots(width) as slot:
+            terms = [self._reanchor(st, comp, lane, a_old, new, r, slot) for lane, a_old in sources]
+            extra = fresh(slot) if fresh else None
+            values = {}
+            for k, c in enumerate(cols):
+                if c == COUNT.name:
+                    continue
+                v = terms[0][k]
+                for t in terms[1:]:
+                    v = v + t[k]
+                values[c] = T.bind(v + extra[k] if extra else v)
+            for c, v in values.items():
+                st.set(c, lane_out, v, slot)
+
+    def _reanchor(self, st, comp, lane, a_old, a_new, r, slot):
+        names = [c.name for c in comp.columns]
+        look = self.state_lookup(st, lane, r, slot, {
+            **{a.name: a_old[a.name] for a in comp.anchors},
+            **{primed(a).name: a_new[a.name] for a in comp.anchors}})
+        same = _all([a_old[a.name] == a_new[a.name] for a in comp.anchors])
+        out = []
+        for g, name in enumerate(names):
+            moved = None
+            for h, col in enumerate(names):
+                entry = comp.matrix[g, h]
+                if entry == 0:
+                    continue
+                s = st.get(col, lane, slot)
+                term = s if entry == 1 else _mul0(self.expr(entry, look), s)
+                moved = term if moved is None else moved + term
+            keep = st.get(name, lane, slot)
+            out.append(moved if same is None else tirx.Select(same, keep, moved))
+        return out
+
+    # Step 3. Selections -------------------------------------------------------------
+    def _better(self, comp, v, j, sv, sj):
+        gt = (v > sv) if comp.direction > 0 else (v < sv)
+        if j is None:
+            return gt
+        return tirx.Or(gt, tirx.And(v == sv, j < sj))
+
+    def _select_insert(self, st, comp, lane, v, j):
+        vname = comp.state[0].symbol.name
+        jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
+        if comp.k == 1 and jname is None:
+            best = tirx.max if comp.direction > 0 else tirx.min
+            with self._slots(st.widths[vname]) as slot:
+                st.set(vname, lane, best(st.get(vname, lane, slot), v), slot)
+            return
+        if comp.k == 1:
+            b = T.bind(self._better(comp, v, j, st.get(vname, lane), st.get(jname, lane)))
+            st.set(vname, lane, tirx.Select(b, v, st.get(vname, lane)))
+            st.set(jname, lane, tirx.Select(b, j, st.get(jname, lane)))
+            return
+        cur_v = T.alloc_buffer((1,), F32, scope="local")
+        cur_j = T.alloc_buffer((1,), I64, scope="local")
+        T.buffer_store(cur_v, v, [0])
+        T.buffer_store(cur_j, j if jname else tirx.const(0, I64), [0])
+        with T.serial(0, comp.k) as t:
+            sj = st.get(jname, lane, t) if jname else None
+            with T.If(self._better(comp, cur_v[0], cur_j[0] if jname else None,
+                                   st.get(vname, lane, t), sj)):
+                with T.Then():
+                    tv = T.bind(st.get(vname, lane, t))
+                    st.set(vname, lane, cur_v[0], t)
+                    T.buffer_store(cur_v, tv, [0])
+                    if jname:
+                        tj = T.bind(sj)
+                        st.set(jname, lane, cur_j[0], t)
+                        T.buffer_store(cur_j, tj, [0])
+
+    # Step 4. Merge, finalize, outputs -----------------------------------------------
+    def merge(self, st: States, a, b, r):
+        """Lane a <- merge(lane a, lane b)."""
+        left = self.anchors_at(st, a, r, self.anchor_names)
+        right = self.anchors_at(st, b, r, self.anchor_names)
+        if COUNT.name in st.bufs:
+            st.set(COUNT.name, a, st.get(COUNT.name, a) + st.get(COUNT.name, b))
+        for comp in self.rule.components:
+            new = self.anchors_at(st, a, r, [x.name for x in comp.anchors])
+            if isinstance(comp, LinearComponent):
+                self._linear(st, comp, [(a, left), (b, right)], a, new, r, None)
+            elif isinstance(comp, SelectComponent):
+                vname = comp.state[0].symbol.name
+                jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
+                if comp.k == 1 and jname is None:
+                    best = tirx.max if comp.direction > 0 else tirx.min
+                    with self._slots(st.widths[vname]) as slot:
+                        st.set(vname, a, best(st.get(vname, a, slot), st.get(vname, b, slot)),
+                               slot)
+                else:
+                    with T.serial(0, comp.k) as t:
+                        self._select_insert(st, comp, a, st.get(vname, b, t),
+                                            st.get(jname, b, t) if jname else None)
+            else:
+                name = comp.state[0].symbol.name
+                with self._slots(st.widths[name]) as slot:
+                    st.set(name, a, st.get(name, a, slot) * st.get(name, b, slot), slot)
+
+    def finalize(self, st: States, r, results: dict):
+        """Every result of the rule into its per-row buffer (name -> (buffer, width))."""
+        for name, expr in self.rule.running.items():
+            if name not in results:
+                continue
+            buf, width = results[name]
+            with self._slots(width) as slot:
+                T.buffer_store(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
+                               [r, slot])
+
+    def elementwise(self, r, outs: dict):
+        for name, expr in self.rule.cascade.elementwise.items():
+            buf = outs[name]
+            width = buf.shape[2]
+            with T.serial(0, self.geo.n) as i:
+                with self._slots(width) as slot:
+                    T.buffer_store(buf, self.expr(expr, self.base_lookup(r, i, slot)),
+                                   [r, i, slot])
+
+
+class _Const0:
+    """``with`` stand-in for a loop of extent 1: yields slot 0."""
+
+    def __enter__(self):
+        return 0
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _Dot():
+    from algebra.functions import Dot
+
+    return Dot
+
+
+def _exprs(comp):
+    from .analysis import component_exprs
+
+    return component_exprs(comp)
+

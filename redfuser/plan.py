@@ -1,0 +1,74 @@
+"""Stage 7, schedule: choose the variant and its parameters for one geometry.
+
+A small analytic model, stated so it can be checked: a fused rule reads the stream
+once (the unfused baseline reads it once per reduction); rows are spread over the
+threads; when there are fewer rows than threads and the stream is long, the split
+variant (flash-decoding) cuts each row into S pieces whose partial states are
+combined with the derived merge.  Lanes vectorize the update when every state is a
+per-row scalar (no feature axis, no dot product, no top-k insertion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from algebra.components import SelectComponent
+from algebra.rule import FusionRule
+
+from .analysis import Geometry, component_exprs
+from .tvm_adapter import default_threads
+
+LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per step
+MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
+VARIANTS = ("rolling", "split", "unfused")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one kernel instance is built; ``reason`` says why (shown as ``kernel.plan``)."""
+
+    variant: str
+    lanes: int = 1
+    splits: int = 1
+    fast_math: bool = True
+    reason: str = ""
+
+    def __str__(self) -> str:
+        extra = f", {self.splits} splits" if self.variant == "split" else ""
+        return f"{self.variant} ({self.lanes} lanes{extra}): {self.reason}"
+
+
+def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
+    """Lanes for the element update: LANES when each lane's update is straight-line code."""
+    scalar_states = all(s.symbol.name not in geo.vec for s in rule.state)
+    no_dot = not any(e.atoms(_dot_class()) for c in rule.components for e in component_exprs(c))
+    no_insert = not any(isinstance(c, SelectComponent) and c.k > 1 for c in rule.components)
+    return LANES if scalar_states and no_dot and no_insert and geo.n >= 2 * LANES else 1
+
+
+def _dot_class():
+    from algebra.functions import Dot
+
+    return Dot
+
+
+def choose(rule: FusionRule, geo: Geometry, variant: str | None = None, splits: int | None = None,
+           threads: int | None = None, fast_math: bool = True) -> Plan:
+    """Pick rolling or split (or honour ``variant``) with a row/thread/length model."""
+    threads = threads or default_threads()
+    lanes = vector_lanes(rule, geo)
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
+    if variant == "unfused":
+        return Plan("unfused", lanes, 1, fast_math, "requested: one pass per reduction")
+    idle = geo.r < threads
+    long = geo.n >= 2 * MIN_SPLIT_ELEMENTS
+    if variant == "split" or (variant is None and idle and long):
+        s = splits or max(2, min(geo.n // MIN_SPLIT_ELEMENTS, 4 * threads // max(geo.r, 1)))
+        s = max(1, min(s, geo.n))
+        why = "requested" if variant else (f"{geo.r} row(s) < {threads} threads and N = "
+                                           f"{geo.n}: split each row, combine with the merge")
+        return Plan("split", lanes, s, fast_math, why)
+    why = "requested" if variant else (f"{geo.r} rows >= {threads} threads" if not idle else
+                                       f"N = {geo.n} too short to split")
+    return Plan("rolling", lanes, 1, fast_math, why + "; rows in parallel, one pass each")

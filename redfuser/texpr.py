@@ -1,0 +1,114 @@
+"""sympy expression -> TIR PrimExpr, one table of node translations.
+
+Symbols are looked up through a callback (the lowering decides whether a name is a
+stream element, a state register or a bound let); ``Dot`` nodes are looked up the
+same way because the lowering computes each dot product once per element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sympy as sp
+
+from .tvm_adapter import tirx
+
+Lookup = Callable[[sp.Expr], object]  # sympy Symbol or Dot -> PrimExpr
+
+
+def const(value: float, dtype: str = "float32"):
+    return tirx.const(float(value), dtype)
+
+
+def _fast(name: str):
+    from . import fastmath  # vectorizable polynomial versions (TVM's exp is a scalar call)
+
+    return getattr(fastmath, f"fast_{name}")
+
+
+def _pow(base, e: sp.Expr, dtype: str):
+    if e == sp.Rational(1, 2):
+        return tirx.sqrt(base)
+    if e == -sp.Rational(1, 2):
+        return const(1, dtype) / tirx.sqrt(base)
+    if e.is_Integer and abs(int(e)) <= 8:
+        k, out = abs(int(e)), const(1, dtype)
+        for _ in range(k):
+            out = out * base
+        return const(1, dtype) / out if e < 0 else out
+    return tirx.pow(base, const(e, dtype))
+
+
+def _sign(x, dtype):
+    zero = const(0, dtype)
+    return tirx.Select(x > zero, const(1, dtype), tirx.Select(x < zero, const(-1, dtype), x))
+
+
+def _softplus(x, dtype, exp):
+    zero = const(0, dtype)
+    return tirx.max(x, zero) + tirx.log1p(exp(-tirx.abs(x)))  # stable log(1 + exp(x))
+
+
+# sympy class name -> builder(args, dtype, exp) ; one line each.
+FUNCS: dict[str, Callable] = {
+    "exp": lambda a, dt, exp: exp(a[0]),
+    "log": lambda a, dt, exp: tirx.log(a[0]),
+    "Abs": lambda a, dt, exp: tirx.abs(a[0]),
+    "tanh": lambda a, dt, exp: tirx.tanh(a[0]),
+    "Sigmoid": lambda a, dt, exp: const(1, dt) / (const(1, dt) + exp(-a[0])),
+    "Relu": lambda a, dt, exp: tirx.max(a[0], const(0, dt)),
+    "Step": lambda a, dt, exp: tirx.Select(a[0] >= const(0, dt), const(1, dt), const(0, dt)),
+    "Softplus": lambda a, dt, exp: _softplus(a[0], dt, exp),
+    "sin": lambda a, dt, exp: tirx.sin(a[0]),
+    "cos": lambda a, dt, exp: tirx.cos(a[0]),
+    "erf": lambda a, dt, exp: tirx.erf(a[0]),
+    "log1p": lambda a, dt, exp: tirx.log1p(a[0]),
+    "expm1": lambda a, dt, exp: exp(a[0]) - const(1, dt),
+    "floor": lambda a, dt, exp: tirx.floor(a[0]),
+    "ceiling": lambda a, dt, exp: tirx.ceil(a[0]),
+    "Round": lambda a, dt, exp: tirx.nearbyint(a[0]),  # half to even, as numpy
+    "sign": lambda a, dt, exp: _sign(a[0], dt),
+    "Maximum": lambda a, dt, exp: tirx.max(a[0], a[1]),
+    "Minimum": lambda a, dt, exp: tirx.min(a[0], a[1]),
+}
+
+
+def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: bool = True):
+    """Translate ``expr``; symbols and dot products come from ``lookup``.
+
+    Examples
+    --------
+    >>> x = sp.Symbol("x")
+    >>> v = tirx.Var("v", "float32")
+    >>> to_tir(2 * x + 1, lambda s: v, fast_math=False)
+    T.float32(2.0) * v + T.float32(1.0)
+    """
+    exp = _fast("exp") if fast_math else tirx.exp
+
+    def go(e: sp.Expr):
+        if e.is_Symbol or type(e).__name__ == "Dot":
+            return lookup(e)
+        if e.is_number:
+            return const(e, dtype)
+        if e.is_Add or e.is_Mul:
+            terms = [go(a) for a in _ordered(e)]
+            out = terms[0]
+            for t in terms[1:]:
+                out = out + t if e.is_Add else out * t
+            return out
+        if e.is_Pow:
+            return _pow(go(e.base), e.exp, dtype)
+        build = FUNCS.get(type(e).__name__)
+        if build is None:
+            raise NotImplementedError(f"no TIR lowering for {type(e).__name__} in `{e}`")
+        return build([go(a) for a in e.args], dtype, exp)
+
+    return go(expr)
+
+
+def _ordered(e: sp.Expr) -> list[sp.Expr]:
+    """Numbers first in products and last in sums: reads like the printed rule."""
+    args = list(e.args)
+    nums = [a for a in args if a.is_number]
+    rest = [a for a in args if not a.is_number]
+    return nums + rest if e.is_Mul else rest + nums

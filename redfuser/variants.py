@@ -1,0 +1,168 @@
+"""The three kernel variants as loop nests around the ``Emitter`` steps.
+
+- rolling: rows in parallel; per row, lanes fold interleaved elements, then merge.
+- split: (row, piece) pairs in parallel, each piece's state to a workspace; then per
+  row the pieces are merged (flash-decoding).
+- unfused: one rolling loop nest per reduction (each reading the final values of
+  the earlier ones), the baseline that shows what fusion buys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from algebra.derive import derive_components, running_values
+from algebra.rule import FusionRule
+from algebra.spec import Cascade
+
+from .analysis import Geometry
+from .lower import F32, I64, Emitter, States, rule_k
+from .plan import Plan
+from .tvm_adapter import IRBuilder, T, tirx
+
+
+def result_width(rule: FusionRule, geo: Geometry, name: str) -> int:
+    shape = rule.cascade.shapes.get(name)
+    return shape.k if shape is not None and shape.k else geo.width(name)
+
+
+def result_dtype(rule: FusionRule, name: str) -> str:
+    red = next((r for r in rule.cascade.reductions if r.name == name), None)
+    return I64 if red is not None and red.op.startswith("arg") else F32
+
+
+def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = "redfuser_kernel"):
+    """One PrimFunc: inputs (R_in, L, F) in sorted name order, then outputs in spec order."""
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name(name)
+            T.func_attr({"global_symbol": name, "tirx.noalias": True})
+            bufs = {}
+            for inp in sorted(geo.inputs):
+                g = geo.inputs[inp]
+                handle = T.arg(inp, T.handle())
+                bufs[inp] = T.match_buffer(handle, (g.count, g.length, g.width), F32)
+            results, elementwise = {}, {}
+            for out in rule.outputs:
+                handle = T.arg(out, T.handle())
+                if out in rule.cascade.elementwise:
+                    width = geo.width(out) if out in geo.vec else _elementwise_width(rule, geo,
+                                                                                      out)
+                    elementwise[out] = T.match_buffer(handle, (geo.r, geo.n, width), F32)
+                else:
+                    width = result_width(rule, geo, out)
+                    buf = T.match_buffer(handle, (geo.r, width), result_dtype(rule, out))
+                    results[out] = (buf, width)
+            emit = {"rolling": _rolling, "split": _split, "unfused": _unfused}[plan.variant]
+            emit(rule, geo, plan, bufs, results, elementwise)
+    return ib.get()
+
+
+def _elementwise_width(rule, geo, name) -> int:
+    from .analysis import is_vec
+
+    return geo.d if is_vec(rule.cascade.elementwise[name], set(geo.vec)) else 1
+
+
+def _fold(em: Emitter, st: States, r, start, length, lanes: int):
+    """Fold elements [start, start + length) into the lanes, then merge lanes into lane 0."""
+    if lanes > 1:
+        with T.serial(0, tirx.floordiv(length, lanes)) as c:
+            with T.vectorized(0, lanes) as lane:
+                em.update(st, lane, start + c * lanes + lane, r)
+        with T.serial(tirx.floordiv(length, lanes) * lanes, length) as t:
+            em.update(st, 0, start + t, r)
+        for lane in range(1, lanes):
+            em.merge(st, 0, lane, r)
+    else:
+        with T.serial(0, length) as t:
+            em.update(st, 0, start + t, r)
+
+
+def _rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
+    em = Emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
+    with T.parallel(0, geo.r) as r:
+        st = States(rule, geo, plan.lanes)
+        for lane in range(plan.lanes):
+            st.init(lane)
+        _fold(em, st, r, tirx.const(0, I64), tirx.const(geo.n, I64), plan.lanes)
+        em.finalize(st, r, results)
+        em.elementwise(r, elementwise)
+
+
+def _split(rule, geo, plan, bufs, results, elementwise):
+    em = Emitter(rule, geo, plan, bufs, results)
+    s, chunk = plan.splits, -(-geo.n // plan.splits)
+    work = {}
+    proto = {st.symbol.name: st for st in rule.state}
+    for name in proto:
+        width = rule_k(rule, name) if proto[name].kind.endswith("_k") else geo.width(name)
+        dtype = I64 if proto[name].kind.startswith("ind") else F32
+        work[name] = (T.alloc_buffer((geo.r * s, width), dtype), width)
+    with T.parallel(0, geo.r * s) as rs:
+        r, piece = tirx.floordiv(rs, s), tirx.floormod(rs, s)
+        st = States(rule, geo, plan.lanes)
+        for lane in range(plan.lanes):
+            st.init(lane)
+        start = piece * chunk
+        length = tirx.max(tirx.min(tirx.const(geo.n, I64) - start, chunk), 0)
+        _fold(em, st, r, start, length, plan.lanes)
+        _copy(st, work, 0, rs, to_work=True)
+    with T.parallel(0, geo.r) as r:
+        st = States(rule, geo, 2)
+        _copy(st, work, 0, r * s, to_work=False)
+        with T.serial(1, s) as piece:
+            _copy(st, work, 1, r * s + piece, to_work=False)
+            em.merge(st, 0, 1, r)
+        em.finalize(st, r, results)
+        em.elementwise(r, elementwise)
+
+
+def _copy(st: States, work: dict, lane, row, to_work: bool):
+    for name, (buf, width) in work.items():
+        with T.serial(0, width) as w:
+            if to_work:
+                T.buffer_store(buf, st.bufs[name][lane, w], [row, w])
+            else:
+                T.buffer_store(st.bufs[name], buf[row, w], [lane, w])
+
+
+def stage_rule(rule: FusionRule, index: int) -> FusionRule:
+    """Reduction ``index`` alone, reading earlier results as per-row parameters."""
+    c = rule.cascade
+    red = dataclasses.replace(c.reductions[index], anchors=())
+    cascade = Cascade(c.text, c.streams, c.params, c.vector_inputs, (red,), {}, {}, (red.name,),
+                      c.shapes)
+    comps = derive_components(cascade)
+    return FusionRule(cascade, comps, running_values(cascade, comps), ())
+
+
+def _unfused(rule, geo, plan, bufs, results, elementwise):
+    """One loop nest per reduction; epilogues and per-element outputs in a last one."""
+    tmp = {}
+    for k, red in enumerate(rule.cascade.reductions):
+        width = result_width(rule, geo, red.name)
+        buf = T.alloc_buffer((geo.r, width), result_dtype(rule, red.name))
+        tmp[red.name] = (buf, width)
+        stage = stage_rule(rule, k)
+        lanes = plan.lanes if _stage_lanes_ok(stage, geo) else 1
+        _rolling(stage, geo, dataclasses.replace(plan, lanes=lanes), bufs, {red.name: tmp[red.name]},
+                 {}, rowvals=_epilogue_values(rule, tmp))
+    em = Emitter(rule, geo, plan, bufs, _epilogue_values(rule, tmp))
+    with T.parallel(0, geo.r) as r:
+        for name, (buf, width) in results.items():
+            expr = rule.cascade.epilogues.get(name, rule.cascade.results[name])
+            with em._slots(width) as slot:
+                T.buffer_store(buf, em.expr(expr, em.base_lookup(r, None, slot)), [r, slot])
+        em.elementwise(r, elementwise)
+
+
+def _epilogue_values(rule, tmp):
+    """Per-row values for the unfused nests: reduction results, and epilogues as formulas."""
+    return {**tmp, **rule.cascade.epilogues}
+
+
+def _stage_lanes_ok(stage: FusionRule, geo: Geometry) -> bool:
+    from .plan import vector_lanes
+
+    return vector_lanes(stage, geo) > 1

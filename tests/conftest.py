@@ -1,0 +1,183 @@
+"""Shared hypothesis profile, strategies and comparison helpers for the redfuser tests.
+
+Profiles: ``ci`` (derandomized, no example database) is loaded when ``CI`` is set in the
+environment, ``dev`` (random, same example counts) otherwise; ``HYPOTHESIS_PROFILE``
+overrides both (``thorough``: 16x the examples, for hunting bugs locally).  Example counts are kept modest: ``evaluate`` folds elements one at a
+time in Python, so the whole suite must stay within a few minutes on two cores.
+
+The helpers are imported by the test modules with ``from conftest import ...`` (pytest's
+default ``prepend`` import mode puts this directory on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import redfuser
+
+_COMMON = dict(
+    deadline=None,
+    max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.filter_too_much],
+)
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True, **_COMMON)
+settings.register_profile("dev", **_COMMON)
+settings.register_profile("thorough", **{**_COMMON, "max_examples": 400})  # local bug hunts
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else
+                                     "dev"))
+
+F32 = np.float32
+EPS32 = float(np.finfo(np.float32).eps)  # 1.19e-07
+
+# -- rules ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def rule_for(spec: str):
+    """Derive once per spec and process (a FusionRule is immutable; its numpy closures are
+    cached inside it, so reusing it keeps the property tests fast)."""
+    return redfuser.derive(spec)
+
+
+# -- shapes, chunkings, merge trees ---------------------------------------------------------
+
+def row_shapes(max_axes: int = 2, max_size: int = 3) -> st.SearchStrategy[tuple[int, ...]]:
+    """Row axes: () up to ``max_axes`` axes, each of size 1..``max_size``."""
+    return st.lists(st.integers(1, max_size), max_size=max_axes).map(tuple)
+
+
+def stream_lengths(min_n: int = 1, max_n: int = 12) -> st.SearchStrategy[int]:
+    return st.integers(min_n, max_n)
+
+
+@st.composite
+def chunkings(draw, n: int) -> list[int]:
+    """A random split of N elements into positive chunk lengths (1 to N chunks)."""
+    cuts = draw(st.lists(st.integers(1, n - 1), unique=True, max_size=n - 1)) if n > 1 else []
+    edges = [0, *sorted(cuts), n]
+    return [b - a for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+@st.composite
+def merge_trees(draw, n_chunks: int):
+    """None (left to right) or nested tuples using each chunk number once, in a random order,
+    with binary and ternary nodes; a single chunk is the bare leaf 0."""
+    if draw(st.integers(0, 4)) == 0:
+        return None
+    leaves = draw(st.permutations(range(n_chunks)))
+
+    def build(items):
+        if len(items) == 1:
+            return items[0]
+        if len(items) >= 3 and draw(st.booleans()):
+            a = draw(st.integers(1, len(items) - 2))
+            b = draw(st.integers(a + 1, len(items) - 1))
+            return (build(items[:a]), build(items[a:b]), build(items[b:]))
+        cut = draw(st.integers(1, len(items) - 1))
+        return (build(items[:cut]), build(items[cut:]))
+
+    return build(list(leaves))
+
+
+@st.composite
+def schedules(draw, n: int):
+    """(chunks, tree) for a stream of length ``n``."""
+    chunks = draw(chunkings(n))
+    return chunks, draw(merge_trees(len(chunks)))
+
+
+# -- float32 streams --------------------------------------------------------------------------
+
+GRID = st.integers(-16, 16).map(lambda k: k * 0.25)  # exact in float32 and float64
+TIES = st.sampled_from([-1.0, 0.0, 0.5, 2.0])  # few distinct values: many ties
+
+
+def _f32_below(limit: float) -> float:
+    """The largest float32 not above ``limit`` (hypothesis wants float32-exact bounds)."""
+    v = np.float32(limit)
+    return float(v if float(v) <= limit else np.nextafter(v, np.float32(0)))
+
+
+def values(kind: str, limit: float = 8.0) -> st.SearchStrategy[float]:
+    """Elements by kind: 'normal' and 'huge' (any float32 with |x| <= limit; tests pass a limit
+    up to 1e30 for 'huge'), 'grid' (multiples of 0.25 in [-4, 4]), 'ties' (four values)."""
+    if kind == "grid":
+        return GRID
+    if kind == "ties":
+        return TIES
+    lim = _f32_below(limit)
+    return st.floats(-lim, lim, width=32, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def float32_streams(draw, shape: tuple[int, ...],
+                    kinds: tuple[str, ...] = ("normal", "huge", "grid", "ties"),
+                    limit: float = 8.0, huge: float = 1e30,
+                    inject: float | None = None) -> np.ndarray:
+    """A float32 array of ``shape`` (the stream axis last; or (..., N, D) for feature rows).
+
+    The element kind is drawn from ``kinds`` ('huge' uses the ``huge`` limit, the others
+    ``limit``).  With ``inject`` (e.g. -inf) that value may replace a random subset of the
+    entries, the first element of every row, or whole rows."""
+    kind = draw(st.sampled_from(kinds))
+    x = draw(hnp.arrays(F32, shape, elements=values(kind, huge if kind == "huge" else limit)))
+    x = x.copy()
+    if inject is not None and x.size:
+        how = draw(st.sampled_from(["none", "mask", "first", "rows", "mask"]))
+        if how == "mask":
+            x[draw(hnp.arrays(np.bool_, shape))] = inject
+        elif how == "first":
+            x[..., 0] = inject
+        elif how == "rows":
+            x[draw(hnp.arrays(np.bool_, shape[:-1])) if len(shape) > 1 else ...] = inject
+    return x
+
+
+@st.composite
+def streamed_case(draw, min_n: int = 1, max_n: int = 12, **kw):
+    """(x, chunks, tree): a float32 stream (*rows, N) and a random schedule over it."""
+    rows, n = draw(row_shapes()), draw(stream_lengths(min_n, max_n))
+    x = draw(float32_streams(rows + (n,), **kw))
+    chunks, tree = draw(schedules(n))
+    return x, chunks, tree
+
+
+# -- comparisons ------------------------------------------------------------------------------
+
+def finite_max_abs(a, axis=None, keepdims: bool = False) -> np.ndarray:
+    """max |a| over the finite entries (0 where there are none), in float64: the scale that
+    absolute tolerances are taken relative to."""
+    a = np.abs(np.asarray(a, np.float64))
+    return np.max(np.where(np.isfinite(a), a, 0.0), axis=axis, keepdims=keepdims, initial=0.0)
+
+
+def assert_matches(fused: np.ndarray, ref: np.ndarray, rtol: float, atol, name: str = ""):
+    """fused ~ ref within rtol/atol (atol may be an array broadcasting over the output);
+    NaN and +-inf must sit at exactly the same places (NaN only where the reference has one)."""
+    fused, ref = np.asarray(fused), np.asarray(ref)
+    assert fused.shape == ref.shape, f"{name}: shape {fused.shape} != reference {ref.shape}"
+    np.testing.assert_array_equal(np.isnan(fused), np.isnan(ref),
+                                  err_msg=f"{name}: NaN at different places")
+    np.testing.assert_array_equal(np.isposinf(fused), np.isposinf(ref),
+                                  err_msg=f"{name}: +inf at different places")
+    np.testing.assert_array_equal(np.isneginf(fused), np.isneginf(ref),
+                                  err_msg=f"{name}: -inf at different places")
+    fin = np.isfinite(ref)
+    err = np.abs(fused.astype(np.float64) - ref)
+    bound = np.broadcast_to(np.asarray(atol, np.float64) + rtol * np.abs(ref), ref.shape)
+    bad = fin & ~(err <= bound)
+    assert not bad.any(), (
+        f"{name}: {int(bad.sum())} value(s) off; worst at {np.argwhere(bad)[0].tolist()}: fused "
+        f"{fused[bad][0]!r} vs reference {ref[bad][0]!r} (tolerance {bound[bad][0]:.3g})")
+
+
+def assert_indices_equal(fused: np.ndarray, ref: np.ndarray, name: str = ""):
+    assert fused.dtype.kind in "iu", f"{name}: index output has dtype {fused.dtype}"
+    np.testing.assert_array_equal(fused, ref, err_msg=f"{name}: indices differ")
