@@ -146,15 +146,20 @@ class Emitter:
             out[dot] = T.bind(acc[0])
         return out
 
+    def _count(self, st: States, lane):
+        """The lane's count before this step (None when the rule keeps no count)."""
+        return T.bind(st.get(COUNT.name, lane)) if COUNT.name in st.bufs else None
+
     def update(self, st: States, lane, i, r):
         dots = self.dots(r, i)
         old = self.anchors_at(st, lane, r, self.anchor_names)
-        if COUNT.name in st.bufs:
-            st.set(COUNT.name, lane, st.get(COUNT.name, lane) + const(1))
+        count = self._count(st, lane)
+        if count is not None:
+            st.set(COUNT.name, lane, count + const(1))
         for comp in self.rule.components:
             new = self.anchors_at(st, lane, r, [a.name for a in comp.anchors])
             if isinstance(comp, LinearComponent):
-                self._linear(st, comp, [(lane, old)], lane, new, r,
+                self._linear(st, comp, [(lane, old, count)], lane, new, r,
                              lambda slot, c=comp, new=new: self._basis(c, r, i, slot, new, dots))
             elif isinstance(comp, SelectComponent):
                 g = self.expr(comp.core, self.base_lookup(r, i, 0, dots))
@@ -177,7 +182,8 @@ class Emitter:
         cols = [c.name for c in comp.columns]
         width = max(st.widths.get(c, 1) for c in cols)
         with self._slots(width) as slot:
-            terms = [self._reanchor(st, comp, lane, a_old, new, r, slot) for lane, a_old in sources]
+            terms = [self._reanchor(st, comp, lane, a_old, count, new, r, slot)
+                     for lane, a_old, count in sources]
             extra = fresh(slot) if fresh else None
             values = {}
             for k, c in enumerate(cols):
@@ -190,7 +196,7 @@ class Emitter:
             for c, v in values.items():
                 st.set(c, lane_out, v, slot)
 
-    def _reanchor(self, st, comp, lane, a_old, a_new, r, slot):
+    def _reanchor(self, st, comp, lane, a_old, count, a_new, r, slot):
         names = [c.name for c in comp.columns]
         look = self.state_lookup(st, lane, r, slot, {
             **{a.name: a_old[a.name] for a in comp.anchors},
@@ -203,7 +209,7 @@ class Emitter:
                 entry = comp.matrix[g, h]
                 if entry == 0:
                     continue
-                s = st.get(col, lane, slot)
+                s = count if col == COUNT.name else st.get(col, lane, slot)
                 term = s if entry == 1 else _mul0(self.expr(entry, look), s)
                 moved = term if moved is None else moved + term
             keep = st.get(name, lane, slot)
@@ -212,10 +218,14 @@ class Emitter:
 
     # Step 3. Selections -------------------------------------------------------------
     def _better(self, comp, v, j, sv, sj):
+        """(v, j) ranks before (sv, sj): better value, then lower index; an empty slot
+        (index sentinel) takes anything, so NaN rows fill slots in index order as numpy."""
         gt = (v > sv) if comp.direction > 0 else (v < sv)
-        if j is None:
-            return gt
-        return tirx.Or(gt, tirx.And(v == sv, j < sj))
+        if j is None:  # values only: a NaN may take a slot still at the identity (+-inf)
+            ident = const(float(comp.state[0].init))
+            return tirx.Or(gt, tirx.And(tirx.isnan(v), sv == ident))
+        empty = sj == tirx.const(INDEX_SENTINEL, I64)
+        return tirx.Or(tirx.Or(gt, tirx.And(v == sv, j < sj)), empty)
 
     def _select_insert(self, st, comp, lane, v, j):
         vname = comp.state[0].symbol.name
@@ -226,9 +236,10 @@ class Emitter:
                 st.set(vname, lane, best(st.get(vname, lane, slot), v), slot)
             return
         if comp.k == 1:
-            b = T.bind(self._better(comp, v, j, st.get(vname, lane), st.get(jname, lane)))
-            st.set(vname, lane, tirx.Select(b, v, st.get(vname, lane)))
-            st.set(jname, lane, tirx.Select(b, j, st.get(jname, lane)))
+            sv, sj = T.bind(st.get(vname, lane)), T.bind(st.get(jname, lane))
+            b = self._better(comp, v, j, sv, sj)  # not let-bound: TVM cannot bind boolx16
+            st.set(vname, lane, tirx.Select(b, v, sv))
+            st.set(jname, lane, tirx.Select(b, j, sj))
             return
         cur_v = T.alloc_buffer((1,), F32, scope="local")
         cur_j = T.alloc_buffer((1,), I64, scope="local")
@@ -252,12 +263,13 @@ class Emitter:
         """Lane a <- merge(lane a, lane b)."""
         left = self.anchors_at(st, a, r, self.anchor_names)
         right = self.anchors_at(st, b, r, self.anchor_names)
-        if COUNT.name in st.bufs:
-            st.set(COUNT.name, a, st.get(COUNT.name, a) + st.get(COUNT.name, b))
+        n_a, n_b = self._count(st, a), self._count(st, b)
+        if n_a is not None:
+            st.set(COUNT.name, a, n_a + n_b)
         for comp in self.rule.components:
             new = self.anchors_at(st, a, r, [x.name for x in comp.anchors])
             if isinstance(comp, LinearComponent):
-                self._linear(st, comp, [(a, left), (b, right)], a, new, r, None)
+                self._linear(st, comp, [(a, left, n_a), (b, right, n_b)], a, new, r, None)
             elif isinstance(comp, SelectComponent):
                 vname = comp.state[0].symbol.name
                 jname = comp.state[1].symbol.name if len(comp.state) > 1 else None

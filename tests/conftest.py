@@ -2,8 +2,9 @@
 
 Profiles: ``ci`` (derandomized, no example database) is loaded when ``CI`` is set in the
 environment, ``dev`` (random, same example counts) otherwise; ``HYPOTHESIS_PROFILE``
-overrides both (``thorough``: 16x the examples, for hunting bugs locally).  Example counts are kept modest: ``evaluate`` folds elements one at a
-time in Python, so the whole suite must stay within a few minutes on two cores.
+overrides both (``thorough``: 16x the examples, for hunting bugs locally).  Example counts
+are kept modest: ``evaluate`` folds elements one at a time in Python, and the whole suite
+must stay within a few minutes on two cores.
 
 The helpers are imported by the test modules with ``from conftest import ...`` (pytest's
 default ``prepend`` import mode puts this directory on ``sys.path``).
@@ -170,8 +171,9 @@ def assert_matches(fused: np.ndarray, ref: np.ndarray, rtol: float, atol, name: 
     np.testing.assert_array_equal(np.isneginf(fused), np.isneginf(ref),
                                   err_msg=f"{name}: -inf at different places")
     fin = np.isfinite(ref)
-    err = np.abs(fused.astype(np.float64) - ref)
-    bound = np.broadcast_to(np.asarray(atol, np.float64) + rtol * np.abs(ref), ref.shape)
+    with np.errstate(invalid="ignore"):  # inf - inf at the (already matched) infinities
+        err = np.abs(fused.astype(np.float64) - ref)
+        bound = np.broadcast_to(np.asarray(atol, np.float64) + rtol * np.abs(ref), ref.shape)
     bad = fin & ~(err <= bound)
     assert not bad.any(), (
         f"{name}: {int(bad.sum())} value(s) off; worst at {np.argwhere(bad)[0].tolist()}: fused "

@@ -1,0 +1,213 @@
+"""Fuzzing the spec language: ``derive`` either returns a rule that verifies, or raises
+``SpecError`` / ``NotFusable``, never anything else; rules it does return agree with the
+float64 reference.  Plus the messages of specific bad and non-fusable specs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_indices_equal, assert_matches, finite_max_abs, schedules
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+import redfuser
+
+STREAMS = ("x[i]", "y[i]")
+PARAMS = ("a", "b")
+RESULTS = ("r0", "r1", "r2")  # statement k assigns RESULTS[k]
+CONSTANTS = ("2", "3", "0.5", "1", "-1", "N", "i", "pi")
+UNARY = ("exp", "log", "sqrt", "abs", "tanh", "sigmoid", "relu")
+BINARY_FUNCTIONS = ("pow", "maximum", "dot")
+UNKNOWN = ("foo", "softmax", "expp", "mean", "Exp")
+REDUCTIONS = ("sum", "sum", "max", "min", "prod", "argmax")
+K_REDUCTIONS = ("topk", "argtopk")
+GARBAGE = "$?!@`{}[]()#:;,=.'\"\\\n\t x"
+
+
+ANCHORED = ("exp(x[i] - {r})", "(x[i] - {r})**2", "x[i] * {r}", "exp({r} - x[i])",
+            "x[i] / {r}", "exp(x[i] - {r}) * y[i]", "(x[i] - {r})**3", "exp((x[i] - {r}) / a)")
+
+
+@st.composite
+def expressions(draw, depth: int, n_results: int) -> str:
+    """A random expression over streams, parameters, constants and the first ``n_results``
+    of RESULTS (the earlier statements' results)."""
+    defined = RESULTS[:n_results]
+    if draw(st.integers(0, 29)) == 0:  # now and then: a result not defined yet, or a cycle
+        leaf = st.sampled_from(RESULTS)
+    else:
+        leaf = st.sampled_from(["x[i]"] * 4 + ["y[i]", *PARAMS, *CONSTANTS] + list(defined) * 3)
+    if depth == 0 or draw(st.integers(0, 3)) == 0:
+        return draw(leaf)
+    sub = expressions(depth - 1, n_results)
+    kinds = ["unary"] * 3 + ["op"] * 4 + ["power", "binary", "binary", "neg"] + \
+        ["anchored"] * (4 if defined else 0)
+    rare = draw(st.integers(0, 19))  # 1 in 20 nodes: an unknown function or a nested reduction
+    kind = "unknown" if rare == 0 else "reduction" if rare == 1 else draw(st.sampled_from(kinds))
+    if kind == "anchored":  # an earlier result inside a stream expression: re-anchoring
+        return draw(st.sampled_from(ANCHORED)).format(r=draw(st.sampled_from(defined)))
+    if kind == "unary":
+        return f"{draw(st.sampled_from(UNARY))}({draw(sub)})"
+    if kind == "op":
+        return f"({draw(sub)} {draw(st.sampled_from('+-*/'))} {draw(sub)})"
+    if kind == "power":
+        return f"{draw(sub)}**{draw(st.sampled_from(['2', '3', '0.5', '-1']))}"
+    if kind == "binary":
+        fn = draw(st.sampled_from(BINARY_FUNCTIONS))
+        if fn == "dot":  # feature-axis operands: streams x[i, :] or parameters
+            args = draw(st.lists(st.sampled_from(["x[i, :]", "y[i, :]", "a[:]", "a", "x[i]"]),
+                                 min_size=2, max_size=2))
+            return f"dot({args[0]}, {args[1]})"
+        return f"{fn}({draw(sub)}, {draw(sub)})"
+    if kind == "neg":
+        return f"-{draw(sub)}"
+    if kind == "reduction":  # nested in a body: a SpecError; in an epilogue: a hidden result
+        return f"{draw(st.sampled_from(REDUCTIONS))}({draw(sub)})"
+    return f"{draw(st.sampled_from(UNKNOWN))}({draw(sub)})"
+
+
+@st.composite
+def statements(draw, k: int) -> str:
+    target = RESULTS[k]
+    body = draw(expressions(draw(st.integers(1, 3)), k))
+    kind = draw(st.sampled_from(["reduce", "reduce", "reduce", "reduce_k", "let", "element"]))
+    if kind == "reduce":
+        return f"{target} = {draw(st.sampled_from(REDUCTIONS))}({body})"
+    if kind == "reduce_k":
+        k_arg = draw(st.sampled_from(["1", "2", "3", "0", "a"]))
+        return f"{target} = {draw(st.sampled_from(K_REDUCTIONS))}({body}, {k_arg})"
+    if kind == "let":
+        return f"{target} = {body}"
+    return f"{target}[i] = {body}"
+
+
+@st.composite
+def specs(draw) -> str:
+    """Random cascades (1-3 statements), sometimes mangled into invalid syntax or garbage."""
+    n = draw(st.integers(1, 3))
+    text = draw(st.sampled_from(["\n", "; "])).join(draw(statements(k)) for k in range(n))
+    mangle = draw(st.sampled_from(["none"] * 12 + ["insert", "delete", "truncate", "text"]))
+    if mangle == "insert":
+        at = draw(st.integers(0, len(text)))
+        text = text[:at] + draw(st.text(GARBAGE, min_size=1, max_size=3)) + text[at:]
+    elif mangle == "delete" and text:
+        at = draw(st.integers(0, len(text) - 1))
+        text = text[:at] + text[at + 1:]
+    elif mangle == "truncate":
+        text = text[:draw(st.integers(0, len(text)))]
+    elif mangle == "text":
+        text = draw(st.text(max_size=40))
+    return text
+
+
+def derive_or_reject(spec: str):
+    """The rule, or None when derive rejects the spec the documented way."""
+    try:
+        rule = redfuser.derive(spec)
+    except redfuser.SpecError as e:
+        event("SpecError")
+        assert e.line is not None and "line " in str(e) and "column " in str(e), str(e)
+        return None
+    except redfuser.NotFusable as e:
+        event("NotFusable")
+        assert f"reduction '{e.reduction}'" in str(e) and str(e.culprit) in str(e), str(e)
+        return None
+    event("derived")
+    assert isinstance(rule, redfuser.FusionRule)
+    assert rule.verify() is True, spec
+    return rule
+
+
+def make_inputs(rule, rng: np.random.Generator, rows: int = 2, n: int = 5, d: int = 3):
+    """float64 inputs in [0.5, 1.5] (inside every function's domain); streams (rows, N) or
+    (rows, N, D), parameters (rows,) or (rows, D).  N = 5, D = 3 and rows = 2 differ, so no
+    input can be read two ways."""
+    cascade = rule.cascade
+    inputs = {}
+    for s in cascade.streams:
+        vec = s.name in cascade.vector_inputs
+        inputs[s.name] = rng.uniform(0.5, 1.5, (rows, n, d) if vec else (rows, n))
+    for p in cascade.params:
+        vec = p.name in cascade.vector_inputs
+        inputs[p.name] = rng.uniform(0.5, 1.5, (rows, d) if vec else (rows,))
+    return inputs
+
+
+@settings(max_examples=150)
+@given(spec=specs(), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_derive_returns_verified_rule_or_documented_error(spec, seed, data):
+    rule = derive_or_reject(spec)
+    if rule is None or "x" not in {s.name for s in rule.cascade.streams}:
+        return
+    event("evaluated")
+    inputs = make_inputs(rule, np.random.default_rng(seed))
+    chunks, tree = data.draw(schedules(5))
+    fused = rule.evaluate(inputs, chunks=chunks, tree=tree)
+    ref = redfuser.reference(spec, inputs)
+    assert list(fused) == list(ref)
+    for name in ref:
+        assert fused[name].shape == ref[name].shape, name
+        if ref[name].dtype.kind in "iu":
+            assert_indices_equal(fused[name], ref[name], name)
+        else:  # float64 throughout: generous next to its 1e-16 rounding
+            assert_matches(fused[name], ref[name], 1e-6, 1e-8 * (1 + finite_max_abs(ref[name])),
+                           name)
+
+
+@settings(max_examples=60)
+@given(st.text(max_size=60))
+def test_arbitrary_text_is_a_rule_or_a_spec_error(text):
+    derive_or_reject(text)
+
+
+# -- specific specs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec, reduction, culprit", [
+    ("m = max(x[i]); r = sum(relu(x[i] - m))", "r", "relu"),
+    ("a = sum(x[i]); r = sum(round(x[i] / a))", "r", "round"),
+    ("m = max(x[i]); r = sum(abs(x[i] - m))", "r", "Abs"),
+    ("m = max(x[i]); r = sum(maximum(x[i], m))", "r", "max(x, m)"),
+    ("m = max(x[i]); r = sum(exp(x[i] * m))", "r", "exp(m*x)"),
+    ("m = max(x[i]); s = sum(sqrt(x[i] - m))", "s", "sqrt"),
+    ("m = sum(x[i]); r = prod(x[i] + m)", "r", "m + x"),
+    ("m = sum(x[i]); r = max(x[i] * m)", "r", "m*x"),
+    ("m = max(x[i]); r = argmax(relu(x[i] - m))", "r", "relu"),
+])
+def test_not_fusable_names_reduction_and_culprit(spec, reduction, culprit):
+    with pytest.raises(redfuser.NotFusable) as info:
+        redfuser.derive(spec)
+    message = str(info.value)
+    assert f"'{reduction}'" in message and culprit in message, message
+    assert info.value.reduction == reduction
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("", ["empty"]),
+    ("# only a comment\n", ["empty"]),
+    ("m = foo(x[i])", ["unknown function", "foo"]),
+    ("m = max(x[i]); d = sum(exp(x[i] - max(x[i])))", ["nested"]),
+    ("d = sum(exp(x[i] - m)); m = max(x[i])", ["'m'", "before its definition"]),
+    ("a = sum(x[i]*b); b = sum(x[i]*a)", ["cycle"]),
+    ("m = argmax(x[i]); s = sum(dot(m, k[i]))", ["shape mismatch", "dot"]),
+    ("m = topk(x[i], 2); s = sum(dot(m, k[i]))", ["shape mismatch", "dot"]),
+    ("m = max(x[i]", ["syntax error"]),
+    ("m = max(x[j])", ["indexed by 'i'"]),
+    ("m = topk(x[i], 0)", ["positive integer"]),
+    ("m = max(x[i]); m = sum(x[i])", ["assigned twice"]),
+    ("y = 2 * 3", ["no reduction"]),
+])
+def test_spec_error_names_line_and_column(spec, words):
+    with pytest.raises(redfuser.SpecError) as info:
+        redfuser.derive(spec)
+    message = str(info.value)
+    assert "line" in message and "column" in message, message
+    for word in words:
+        assert word in message, message
+
+
+def test_spec_error_position_points_at_the_problem():
+    with pytest.raises(redfuser.SpecError) as info:
+        redfuser.derive("m = max(x[i])\nd = sum(exp(x[i] - m))\ns = sum(fooo(x[i]))")
+    assert (info.value.line, info.value.col) == (3, 9)
+    assert "line 3, column 9" in str(info.value)
