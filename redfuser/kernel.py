@@ -53,10 +53,10 @@ class Kernel:
 
     # Step 2. Compile for this geometry (cached) ---------------------------------------
     def _compiled(self, geo: Geometry):
-        plan = choose(self.rule, geo, **self.options)
+        plan = choose(self.rule, geo, target=self.target, **self.options)
         key = (geo.key(), plan)
         if key not in self._cache:
-            func = build_primfunc(self.rule, geo, plan, FUNC_NAME)
+            func = build_primfunc(self.rule, geo, plan, FUNC_NAME, self.target)
             self._cache[key] = (func, build(func, TARGETS[self.target]()), plan)
         self._last = self._cache[key]
         return self._cache[key]

@@ -43,13 +43,13 @@ def _all(conds):
 class States:
     """Local registers of every state variable: one row of ``width`` slots per lane."""
 
-    def __init__(self, rule: FusionRule, geo: Geometry, lanes: int):
+    def __init__(self, rule: FusionRule, geo: Geometry, lanes: int, scope: str = "local"):
         self.bufs, self.widths, self.kinds = {}, {}, {}
         for s in rule.state:
             name, kind = s.symbol.name, s.kind
             width = (rule_k(rule, name) if kind.endswith("_k") else geo.width(name))
             dtype = I64 if kind.startswith("ind") else F32
-            self.bufs[name] = T.alloc_buffer((lanes, width), dtype, scope="local")
+            self.bufs[name] = T.alloc_buffer((lanes, width), dtype, scope=scope)
             self.widths[name], self.kinds[name] = width, kind
         self.inits = {s.symbol.name: s.init for s in rule.state}
 
@@ -297,11 +297,14 @@ class Emitter:
                 T.buffer_store(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
                                [r, slot])
 
-    def elementwise(self, r, outs: dict):
+    def elementwise(self, r, outs: dict, start=0, step: int = 1):
+        """Per-element outputs for elements start, start + step, ... (threads stride)."""
+        count = self.geo.n if step == 1 else tirx.ceildiv(self.geo.n - start, step)
         for name, expr in self.rule.cascade.elementwise.items():
             buf = outs[name]
             width = buf.shape[2]
-            with T.serial(0, self.geo.n) as i:
+            with T.serial(0, count) as c:
+                i = c if step == 1 else start + c * step
                 with self._slots(width) as slot:
                     T.buffer_store(buf, self.expr(expr, self.base_lookup(r, i, slot)),
                                    [r, i, slot])

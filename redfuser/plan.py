@@ -32,6 +32,7 @@ class Plan:
     splits: int = 1
     fast_math: bool = True
     reason: str = ""
+    threads: int = 1  # CUDA: threads per block, combined by a shared-memory merge tree
 
     def __str__(self) -> str:
         extra = f", {self.splits} splits" if self.variant == "split" else ""
@@ -53,8 +54,10 @@ def _dot_class():
 
 
 def choose(rule: FusionRule, geo: Geometry, variant: str | None = None, splits: int | None = None,
-           threads: int | None = None, fast_math: bool = True) -> Plan:
+           threads: int | None = None, fast_math: bool = True, target: str = "cpu") -> Plan:
     """Pick rolling or split (or honour ``variant``) with a row/thread/length model."""
+    if target == "cuda":
+        return _choose_cuda(rule, geo, variant, splits, fast_math)
     threads = threads or default_threads()
     lanes = vector_lanes(rule, geo)
     if variant is not None and variant not in VARIANTS:
@@ -72,3 +75,24 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None, splits: 
     why = "requested" if variant else (f"{geo.r} rows >= {threads} threads" if not idle else
                                        f"N = {geo.n} too short to split")
     return Plan("rolling", lanes, 1, fast_math, why + "; rows in parallel, one pass each")
+
+
+SMS = 132  # streaming multiprocessors of an H100/H200: blocks needed to fill the GPU
+
+
+def _choose_cuda(rule, geo, variant, splits, fast_math) -> Plan:
+    from .gpu import threads_for
+
+    threads = threads_for(rule, geo)
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
+    if variant == "unfused":
+        return Plan("unfused", 1, 1, fast_math, "requested: one kernel per reduction", threads)
+    few = geo.r < SMS and geo.n >= 4 * threads
+    if variant == "split" or (variant is None and few):
+        s = splits or min(threads, max(2, SMS // max(geo.r, 1)), max(1, geo.n // threads))
+        s = max(1, min(s, threads, geo.n))
+        why = "requested" if variant else f"{geo.r} rows < {SMS} SMs: split each row"
+        return Plan("split", 1, s, fast_math, why, threads)
+    return Plan("rolling", 1, 1, fast_math, "one block per row, threads merged by a tree",
+                threads)

@@ -31,7 +31,8 @@ def result_dtype(rule: FusionRule, name: str) -> str:
     return I64 if red is not None and red.op.startswith("arg") else F32
 
 
-def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = "redfuser_kernel"):
+def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = "redfuser_kernel",
+                   target: str = "cpu"):
     """One PrimFunc: inputs (R_in, L, F) in sorted name order, then outputs in spec order."""
     with IRBuilder() as ib:
         with T.prim_func():
@@ -53,7 +54,7 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = "red
                     width = result_width(rule, geo, out)
                     buf = T.match_buffer(handle, (geo.r, width), result_dtype(rule, out))
                     results[out] = (buf, width)
-            emit = {"rolling": _rolling, "split": _split, "unfused": _unfused}[plan.variant]
+            emit = (VARIANTS if target == "cpu" else CUDA_VARIANTS)[plan.variant]
             emit(rule, geo, plan, bufs, results, elementwise)
     return ib.get()
 
@@ -127,6 +128,15 @@ def _copy(st: States, work: dict, lane, row, to_work: bool):
                 T.buffer_store(st.bufs[name], buf[row, w], [lane, w])
 
 
+def _cuda(name):
+    from . import gpu
+
+    return lambda *args: getattr(gpu, f"cuda_{name}")(*args)
+
+
+CUDA_VARIANTS = {v: _cuda(v) for v in ("rolling", "split", "unfused")}
+
+
 def stage_rule(rule: FusionRule, index: int) -> FusionRule:
     """Reduction ``index`` alone, reading earlier results as per-row parameters."""
     c = rule.cascade
@@ -166,3 +176,6 @@ def _stage_lanes_ok(stage: FusionRule, geo: Geometry) -> bool:
     from .plan import vector_lanes
 
     return vector_lanes(stage, geo) > 1
+
+
+VARIANTS = {"rolling": _rolling, "split": _split, "unfused": _unfused}

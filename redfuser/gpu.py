@@ -1,0 +1,167 @@
+"""The CUDA forms of the variants: one thread block per row (or per row piece).
+
+Each thread folds a strided share of the stream into its own slot of a shared-memory
+state array; the slots are combined by a tree of the derived merge (the same merge
+that combines CPU lanes and split pieces); thread 0 finalizes; then every thread
+writes its share of the per-element outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .lower import Emitter, States
+from .tvm_adapter import T, tirx
+
+SHARED_BYTES = 48 * 1024  # static shared memory available to a block without opt-in
+
+
+def threads_for(rule, geo, limit: int = 256) -> int:
+    """Largest power of two <= limit whose shared-memory state fits."""
+    from .lower import rule_k
+
+    words = sum(rule_k(rule, s.symbol.name) if s.kind.endswith("_k") else geo.width(
+        s.symbol.name) for s in rule.state)
+    threads = limit
+    while threads > 32 and threads * words * 4 > SHARED_BYTES:
+        threads //= 2
+    return threads
+
+
+def _sync():
+    T.evaluate(T.tvm_storage_sync("shared"))
+
+
+def _tree(em: Emitter, shared: States, t, r, threads: int) -> States:
+    """Combine the threads' slots with the derived merge, a tree of log2(threads) levels.
+
+    Each level loads two slots into registers, merges there and stores back, with a
+    barrier between loads and stores (the merge never touches shared memory)."""
+    pair = States(em.rule, em.geo, 2)
+    stride = threads // 2
+    while stride >= 1:
+        with T.If(t < stride):
+            with T.Then():
+                _move(shared, t, pair, 0)
+                _move(shared, t + stride, pair, 1)
+                em.merge(pair, 0, 1, r)
+        _sync()
+        with T.If(t < stride):
+            with T.Then():
+                _move(pair, 0, shared, t)
+        _sync()
+        stride //= 2
+    return pair
+
+
+def _move(src: States, src_lane, dst: States, dst_lane):
+    for name, buf in src.bufs.items():
+        with T.serial(0, src.widths[name]) as w:
+            T.buffer_store(dst.bufs[name], buf[src_lane, w], [dst_lane, w])
+
+
+def _gather(em, t, r, threads, fold) -> States:
+    """Every thread folds into registers, publishes its state, and the tree merges them;
+    returns the registers in which thread 0 holds the row's state."""
+    own = States(em.rule, em.geo, 1)
+    own.init(0)
+    fold(own)
+    shared = States(em.rule, em.geo, threads, scope="shared")
+    _move(own, 0, shared, t)
+    _sync()
+    pair = _tree(em, shared, t, r, threads)
+    with T.If(t == 0):
+        with T.Then():
+            _move(shared, 0, pair, 0)
+    return pair
+
+
+def _fold(em, st, t, r, start, length, threads):
+    with T.serial(0, tirx.ceildiv(tirx.max(length - t, 0), threads)) as c:
+        em.update(st, 0, start + t + c * threads, r)
+
+
+def cuda_rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
+    em = Emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
+    with T.launch_thread("blockIdx.x", geo.r) as r:
+        with T.launch_thread("threadIdx.x", plan.threads) as t:
+            zero = tirx.const(0, "int32")
+            st = _gather(em, t, r, plan.threads,
+                         lambda own: _fold(em, own, t, r, zero, geo.n, plan.threads))
+            with T.If(t == 0):
+                with T.Then():
+                    em.finalize(st, r, results)
+            _sync()
+            em.elementwise(r, elementwise, t, plan.threads)
+
+
+def cuda_split(rule, geo, plan, bufs, results, elementwise):
+    em = Emitter(rule, geo, plan, bufs, results)
+    s, chunk = plan.splits, -(-geo.n // plan.splits)
+    work = {name: (T.alloc_buffer((geo.r * s, w), "int64" if k.startswith("ind") else
+                                  "float32"), w) for name, w, k in _state_shapes(rule, geo)}
+    with T.launch_thread("blockIdx.x", geo.r * s) as rs:
+        with T.launch_thread("threadIdx.x", plan.threads) as t:
+            r, start = tirx.floordiv(rs, s), tirx.floormod(rs, s) * chunk
+            length = tirx.min(geo.n - start, chunk)
+            st = _gather(em, t, r, plan.threads,
+                         lambda own: _fold(em, own, t, r, start, length, plan.threads))
+            with T.If(t == 0):
+                with T.Then():
+                    _copy(st, work, 0, rs, True)
+    with T.launch_thread("blockIdx.x", geo.r) as r:
+        with T.launch_thread("threadIdx.x", plan.threads) as t:
+            def load(own):  # plan: splits <= threads, one piece per thread
+                with T.If(t < s):
+                    with T.Then():
+                        _copy(own, work, 0, r * s + t, False)
+
+            st = _gather(em, t, r, plan.threads, load)
+            with T.If(t == 0):
+                with T.Then():
+                    em.finalize(st, r, results)
+            _sync()
+            em.elementwise(r, elementwise, t, plan.threads)
+
+
+def _state_shapes(rule, geo):
+    from .lower import rule_k
+
+    for s in rule.state:
+        w = rule_k(rule, s.symbol.name) if s.kind.endswith("_k") else geo.width(s.symbol.name)
+        yield s.symbol.name, w, s.kind
+
+
+def _copy(st, work, lane, row, to_work):
+    for name, (buf, width) in work.items():
+        with T.serial(0, width) as w:
+            if to_work:
+                T.buffer_store(buf, st.bufs[name][lane, w], [row, w])
+            else:
+                T.buffer_store(st.bufs[name], buf[row, w], [lane, w])
+
+
+def cuda_unfused(rule, geo, plan, bufs, results, elementwise):
+    from .variants import _epilogue_values, result_dtype, result_width, stage_rule
+
+    tmp = {}
+    for k, red in enumerate(rule.cascade.reductions):
+        width = result_width(rule, geo, red.name)
+        tmp[red.name] = (T.alloc_buffer((geo.r, width), result_dtype(rule, red.name)), width)
+        stage = stage_rule(rule, k)
+        cuda_rolling(stage, geo, dataclasses.replace(plan, lanes=1), bufs,
+                     {red.name: tmp[red.name]}, {}, rowvals=_epilogue_values(rule, tmp))
+    em = Emitter(rule, geo, plan, bufs, _epilogue_values(rule, tmp))
+    with T.launch_thread("blockIdx.x", geo.r) as r:
+        with T.launch_thread("threadIdx.x", plan.threads) as t:
+            with T.If(t == 0):
+                with T.Then():
+                    for name, (buf, width) in results.items():
+                        expr = rule.cascade.epilogues.get(name, rule.cascade.results[name])
+                        with em._slots(width) as slot:
+                            T.buffer_store(buf, em.expr(expr, em.base_lookup(r, None, slot)),
+                                           [r, slot])
+            _sync()
+            em.rowvals = {**em.rowvals, **results}
+            em.elementwise(r, elementwise, t, plan.threads)
+
