@@ -1,4 +1,7 @@
-"""redfuser: derive, prove and (later) lower one-pass rules for cascaded reductions.
+"""redfuser: derive, prove and lower one-pass rules for cascaded reductions.
+
+``derive``/``reference`` need only sympy and numpy; ``compile`` (TVM) is imported on
+first use so that deriving rules does not pay for loading TVM.
 
 >>> import redfuser
 >>> rule = redfuser.derive("attention")
@@ -8,4 +11,17 @@ True
 
 from algebra import LIBRARY, FusionRule, NotFusable, SpecError, derive, reference
 
-__all__ = ["LIBRARY", "FusionRule", "NotFusable", "SpecError", "derive", "reference"]
+__all__ = ["LIBRARY", "FusionRule", "Kernel", "NotFusable", "SpecError", "compile", "derive",
+           "reference"]
+
+
+def __getattr__(name: str):
+    if name == "compile":
+        from .compiler import compile
+
+        return compile
+    if name == "Kernel":
+        from .kernel import Kernel
+
+        return Kernel
+    raise AttributeError(f"module 'redfuser' has no attribute {name!r}")

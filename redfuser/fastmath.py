@@ -11,6 +11,9 @@ by tests/test_fastmath.py.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import numpy as np
 
 from .tvm_adapter import IRBuilder, T, build, cpu_target, from_numpy, tirx
@@ -50,10 +53,36 @@ def _as_f32(x):
     return x
 
 
-def _let(value, body, name: str):
-    """``body(v)`` with ``v`` bound to ``value`` by an expression-level Let."""
+_BINDER: ContextVar = ContextVar("fastmath_binder", default=None)
+
+
+@contextmanager
+def statement_lets(bind):
+    """Bind intermediates with ``bind`` (e.g. ``T.bind`` inside an IRBuilder frame) instead of
+    expression-level Lets: TVM's vectorizer mishandles Lets nested under a Select."""
+    token = _BINDER.set(bind)
+    try:
+        yield
+    finally:
+        _BINDER.reset(token)
+
+
+def let(value, body, name: str):
+    """``body(v)`` with ``v`` bound to ``value`` (an expression Let unless statement_lets)."""
+    bind = _BINDER.get()
+    if bind is not None:
+        return body(bind(value))
     var = tirx.Var(name, value.ty.dtype)
     return tirx.Let(var, value, body(var))
+
+
+def isnan(x):
+    """NaN test on the bits (exponent all ones, mantissa non-zero).
+
+    ``tirx.isnan`` of a let-bound value inside a vectorized loop makes TVM 0.27 scalarize
+    the loop and lose its variable, and ``x != x`` is folded to false by the simplifier."""
+    bits = tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7FFFFFFF))
+    return bits > _i(0x7F800000)
 
 
 def _horner(x, coeffs):
@@ -79,12 +108,12 @@ def _exp_body(x):
             half = tirx.shift_right(ni, _i(1))  # 2**n = 2**half * 2**(n - half): n = 128 fits
             return p * _pow2(half) * _pow2(ni - half)
 
-        return _let(xc - n * _f(_LN2_HI) - n * _f(_LN2_LO), poly, "exp_r")
+        return let(xc - n * _f(_LN2_HI) - n * _f(_LN2_LO), poly, "exp_r")
 
-    y = _let(tirx.floor(xc * _f(_LOG2E) + _f(0.5)), reduced, "exp_n")
+    y = let(tirx.floor(xc * _f(_LOG2E) + _f(0.5)), reduced, "exp_n")
     y = tirx.Select(x < _f(_EXP_LO), _f(0.0), y)
     y = tirx.Select(x > _f(_EXP_HI), _f(_INF), y)
-    return tirx.Select(tirx.isnan(x), x, y)
+    return tirx.Select(isnan(x), x, y)
 
 
 def fast_exp(x):
@@ -115,7 +144,7 @@ def fast_exp(x):
     >>> str(fast_exp(tirx.Var("x", "float32")).ty.dtype)
     'float32'
     """
-    return _let(_as_f32(x), _exp_body, "exp_x")
+    return let(_as_f32(x), _exp_body, "exp_x")
 
 
 def _log_body(x):
@@ -131,9 +160,9 @@ def _log_body(x):
             y = _horner(f, _LOG_P) * f * z + fk * _f(_LN2_LO) - _f(0.5) * z
             return f + y + fk * _f(_LN2_HI)
 
-        return _let(tirx.Cast(F32, k), tail, "log_k")
+        return let(tirx.Cast(F32, k), tail, "log_k")
 
-    y = _let(m - _f(1.0), poly, "log_f")
+    y = let(m - _f(1.0), poly, "log_f")
     special = tirx.Select(x == _f(0.0), _f(-_INF), _f(float("nan")))
     return tirx.Select(x < _f(_INF), tirx.Select(x > _f(0.0), y, special), x)
 
@@ -167,7 +196,7 @@ def fast_log(x):
     >>> str(fast_log(tirx.Var("x", "float32")).ty.dtype)
     'float32'
     """
-    return _let(_as_f32(x), _log_body, "log_x")
+    return let(_as_f32(x), _log_body, "log_x")
 
 
 def _tanh_body(x):
@@ -177,8 +206,8 @@ def _tanh_body(x):
         e = fast_exp(_f(2.0) * tirx.Select(z < _f(10.0), z, _f(10.0)))  # tanh(10) == 1 in f32
         return tirx.Select(z < _f(0.625), small, _f(1.0) - _f(2.0) / (e + _f(1.0)))
 
-    y = tirx.copysign(_let(tirx.abs(x), on_abs, "tanh_z"), x)
-    return tirx.Select(tirx.isnan(x), x, y)
+    y = tirx.copysign(let(tirx.abs(x), on_abs, "tanh_z"), x)
+    return tirx.Select(isnan(x), x, y)
 
 
 def fast_tanh(x):
@@ -207,7 +236,7 @@ def fast_tanh(x):
     >>> str(fast_tanh(tirx.Var("x", "float32")).ty.dtype)
     'float32'
     """
-    return _let(_as_f32(x), _tanh_body, "tanh_x")
+    return let(_as_f32(x), _tanh_body, "tanh_x")
 
 
 def fast_sigmoid(x):

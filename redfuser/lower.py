@@ -22,14 +22,18 @@ from algebra.spec import INDEX, LENGTH
 
 from .analysis import Geometry
 from .plan import Plan
+from .fastmath import isnan, statement_lets
 from .texpr import const, to_tir
-from .tvm_adapter import T, tirx
+from .tvm_adapter import LEAVES, T, tirx
 
 F32, I64 = "float32", "int64"
 
 
 def _mul0(a, b):
+    """a * b where an exact 0 on either side gives 0 (0 * inf = 0 * nan = 0).  Operands are
+    let-bound as statements: TVM's vectorizer mishandles expression Lets under a Select."""
     zero = const(0)
+    a, b = (v if isinstance(v, LEAVES) else T.bind(v) for v in (a, b))
     return tirx.Select(tirx.Or(a == zero, b == zero), zero, a * b)
 
 
@@ -61,9 +65,10 @@ class States:
 
     def init(self, lane):
         for name, buf in self.bufs.items():
-            with T.serial(0, self.widths[name]) as s:
-                value = tirx.const(INDEX_SENTINEL, I64) if self.kinds[name].startswith("ind") \
-                    else const(float(self.inits[name]))
+            value = tirx.const(INDEX_SENTINEL, I64) if self.kinds[name].startswith("ind") \
+                else const(float(self.inits[name]))
+            # no loop for one slot: a loop nested in a vectorized lane loop defeats TVM
+            with (T.serial(0, self.widths[name]) if self.widths[name] > 1 else _Const0()) as s:
                 T.buffer_store(buf, value, [lane, s])
 
 
@@ -122,7 +127,8 @@ class Emitter:
         return look
 
     def expr(self, e: sp.Expr, look):
-        return to_tir(e, look, F32, self.plan.fast_math)
+        with statement_lets(T.bind):
+            return to_tir(e, look, F32, self.plan.fast_math)
 
     def state_lookup(self, st: States, lane, r, slot=0, extra=None):
         vals = {n: st.get(n, lane, slot) for n in st.bufs}
@@ -169,6 +175,27 @@ class Emitter:
                 with self._slots(st.widths[name]) as slot:
                     st.set(name, lane, st.get(name, lane, slot) *
                            self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
+
+    def tile_step(self, st: States, comp, lane, i, r):
+        """Fold element i into ``comp`` of a tile whose upstream components are complete:
+        the anchors are final for the tile, so A = I and the step is the plain update."""
+        anchors = self.anchors_at(st, lane, r, [a.name for a in comp.anchors])
+        if isinstance(comp, LinearComponent):
+            cols = [c.name for c in comp.columns]
+            width = max(st.widths.get(c, 1) for c in cols)
+            with self._slots(width) as slot:
+                for c, value in zip(cols, self._basis(comp, r, i, slot, anchors, {}),
+                                    strict=True):
+                    if c != COUNT.name:
+                        st.set(c, lane, st.get(c, lane, slot) + value, slot)
+        elif isinstance(comp, SelectComponent):
+            g = self.expr(comp.core, self.base_lookup(r, i, 0))
+            self._select_insert(st, comp, lane, g, tirx.Cast(I64, i))
+        else:
+            name = comp.state[0].symbol.name
+            with self._slots(st.widths[name]) as slot:
+                st.set(name, lane, st.get(name, lane, slot) *
+                       self.expr(comp.factor, self.base_lookup(r, i, slot)), slot)
 
     def _basis(self, comp, r, i, slot, anchors, dots):
         look = self.base_lookup(r, i, slot, {**dots, **anchors})
@@ -223,7 +250,7 @@ class Emitter:
         gt = (v > sv) if comp.direction > 0 else (v < sv)
         if j is None:  # values only: a NaN may take a slot still at the identity (+-inf)
             ident = const(float(comp.state[0].init))
-            return tirx.Or(gt, tirx.And(tirx.isnan(v), sv == ident))
+            return tirx.Or(gt, tirx.And(isnan(v), sv == ident))
         empty = sj == tirx.const(INDEX_SENTINEL, I64)
         return tirx.Or(tirx.Or(gt, tirx.And(v == sv, j < sj)), empty)
 

@@ -19,6 +19,7 @@ from .analysis import Geometry, component_exprs
 from .tvm_adapter import default_threads
 
 LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per step
+TILE = 8  # elements per lane per tile: the merge's rescale is paid once per TILE elements
 MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
 VARIANTS = ("rolling", "split", "unfused")
 
@@ -33,6 +34,7 @@ class Plan:
     fast_math: bool = True
     reason: str = ""
     threads: int = 1  # CUDA: threads per block, combined by a shared-memory merge tree
+    tile: int = 1  # CPU lanes: elements per lane folded at fixed anchors before a merge
 
     def __str__(self) -> str:
         extra = f", {self.splits} splits" if self.variant == "split" else ""
@@ -71,10 +73,11 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None, splits: 
         s = max(1, min(s, geo.n))
         why = "requested" if variant else (f"{geo.r} row(s) < {threads} threads and N = "
                                            f"{geo.n}: split each row, combine with the merge")
-        return Plan("split", lanes, s, fast_math, why)
+        return Plan("split", lanes, s, fast_math, why, tile=TILE if lanes > 1 else 1)
     why = "requested" if variant else (f"{geo.r} rows >= {threads} threads" if not idle else
                                        f"N = {geo.n} too short to split")
-    return Plan("rolling", lanes, 1, fast_math, why + "; rows in parallel, one pass each")
+    return Plan("rolling", lanes, 1, fast_math, why + "; rows in parallel, one pass each",
+                tile=TILE if lanes > 1 else 1)
 
 
 SMS = 132  # streaming multiprocessors of an H100/H200: blocks needed to fill the GPU

@@ -11,13 +11,23 @@ from collections.abc import Callable
 
 import sympy as sp
 
-from .tvm_adapter import tirx
+from .tvm_adapter import LEAVES, tirx
 
 Lookup = Callable[[sp.Expr], object]  # sympy Symbol or Dot -> PrimExpr
 
 
 def const(value: float, dtype: str = "float32"):
     return tirx.const(float(value), dtype)
+
+
+def share(value, body):
+    """``body(v)`` with ``v`` standing for ``value``; a compound value is bound once (a PrimExpr
+    may not appear twice when it binds variables)."""
+    if isinstance(value, LEAVES):
+        return body(value)
+    from .fastmath import let  # statement-level inside the lowering (see statement_lets)
+
+    return let(value, body, "t")
 
 
 def _fast(name: str):
@@ -32,21 +42,24 @@ def _pow(base, e: sp.Expr, dtype: str):
     if e == -sp.Rational(1, 2):
         return const(1, dtype) / tirx.sqrt(base)
     if e.is_Integer and abs(int(e)) <= 8:
-        k, out = abs(int(e)), const(1, dtype)
-        for _ in range(k):
-            out = out * base
-        return const(1, dtype) / out if e < 0 else out
+        def product(b):
+            out = b
+            for _ in range(abs(int(e)) - 1):
+                out = out * b
+            return const(1, dtype) / out if e < 0 else out
+        return share(base, product)
     return tirx.pow(base, const(e, dtype))
 
 
 def _sign(x, dtype):
     zero = const(0, dtype)
-    return tirx.Select(x > zero, const(1, dtype), tirx.Select(x < zero, const(-1, dtype), x))
+    return share(x, lambda v: tirx.Select(v > zero, const(1, dtype),
+                                          tirx.Select(v < zero, const(-1, dtype), v)))
 
 
 def _softplus(x, dtype, exp):
-    zero = const(0, dtype)
-    return tirx.max(x, zero) + tirx.log1p(exp(-tirx.abs(x)))  # stable log(1 + exp(x))
+    zero = const(0, dtype)  # stable log(1 + exp(x))
+    return share(x, lambda v: tirx.max(v, zero) + tirx.log1p(exp(-tirx.abs(v))))
 
 
 # sympy class name -> builder(args, dtype, exp) ; one line each.

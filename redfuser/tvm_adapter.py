@@ -15,7 +15,11 @@ from tvm import tirx
 from tvm.script.ir_builder import IRBuilder
 from tvm.script.ir_builder import tirx as T
 
-__all__ = ["IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
+# Node classes for isinstance checks (0.27 exports BufferLoad as a builder function).
+BufferLoadNode = type(tirx.decl_buffer((1,), "float32")[0])
+LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
+
+__all__ = ["LEAVES", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
            "from_numpy", "empty_aligned", "default_threads", "cuda_source", "nvcc_compile"]
 
 

@@ -65,13 +65,22 @@ def _elementwise_width(rule, geo, name) -> int:
     return geo.d if is_vec(rule.cascade.elementwise[name], set(geo.vec)) else 1
 
 
-def _fold(em: Emitter, st: States, r, start, length, lanes: int):
-    """Fold elements [start, start + length) into the lanes, then merge lanes into lane 0."""
+def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
+    """Fold elements [start, start + length) into lanes 0..lanes-1, then merge them into 0.
+
+    With lanes > 1, whole tiles of lanes x tile elements are folded level by level at
+    the tile's own final anchors (one exp per element instead of two for softmax) and
+    merged into the running lanes; the rest goes element by element."""
     if lanes > 1:
-        with T.serial(0, tirx.floordiv(length, lanes)) as c:
-            with T.vectorized(0, lanes) as lane:
-                em.update(st, lane, start + c * lanes + lane, r)
-        with T.serial(tirx.floordiv(length, lanes) * lanes, length) as t:
+        step = lanes * tile
+        with T.serial(0, tirx.floordiv(length, step)) as c:
+            base = start + c * step
+            if tile > 1:
+                _tile(em, st, r, base, lanes, tile)
+            else:
+                with T.vectorized(0, lanes) as lane:
+                    em.update(st, lane, base + lane, r)
+        with T.serial(tirx.floordiv(length, step) * step, length) as t:
             em.update(st, 0, start + t, r)
         for lane in range(1, lanes):
             em.merge(st, 0, lane, r)
@@ -80,13 +89,29 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int):
             em.update(st, 0, start + t, r)
 
 
+def _tile(em: Emitter, st: States, r, base, lanes: int, tile: int):
+    """Lanes [lanes, 2 lanes) hold the tile; lane l takes elements base + k*lanes + l."""
+    from algebra.components import COUNT
+
+    with T.vectorized(0, lanes) as lane:
+        st.init(lanes + lane)
+        if COUNT.name in st.bufs:
+            st.set(COUNT.name, lanes + lane, tirx.const(float(tile), F32))
+    for comp in em.rule.components:
+        with T.serial(0, tile) as k:
+            with T.vectorized(0, lanes) as lane:
+                em.tile_step(st, comp, lanes + lane, base + k * lanes + lane, r)
+    with T.vectorized(0, lanes) as lane:
+        em.merge(st, lane, lanes + lane, r)
+
+
 def _rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
     em = Emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
     with T.parallel(0, geo.r) as r:
-        st = States(rule, geo, plan.lanes)
+        st = States(rule, geo, 2 * plan.lanes)
         for lane in range(plan.lanes):
             st.init(lane)
-        _fold(em, st, r, tirx.const(0, I64), tirx.const(geo.n, I64), plan.lanes)
+        _fold(em, st, r, tirx.const(0, I64), tirx.const(geo.n, I64), plan.lanes, plan.tile)
         em.finalize(st, r, results)
         em.elementwise(r, elementwise)
 
@@ -102,12 +127,12 @@ def _split(rule, geo, plan, bufs, results, elementwise):
         work[name] = (T.alloc_buffer((geo.r * s, width), dtype), width)
     with T.parallel(0, geo.r * s) as rs:
         r, piece = tirx.floordiv(rs, s), tirx.floormod(rs, s)
-        st = States(rule, geo, plan.lanes)
+        st = States(rule, geo, 2 * plan.lanes)
         for lane in range(plan.lanes):
             st.init(lane)
         start = piece * chunk
         length = tirx.max(tirx.min(tirx.const(geo.n, I64) - start, chunk), 0)
-        _fold(em, st, r, start, length, plan.lanes)
+        _fold(em, st, r, start, length, plan.lanes, plan.tile)
         _copy(st, work, 0, rs, to_work=True)
     with T.parallel(0, geo.r) as r:
         st = States(rule, geo, 2)
