@@ -27,6 +27,7 @@ from .texpr import const, to_tir
 from .tvm_adapter import LEAVES, T, tirx
 
 F32, I64 = "float32", "int64"
+VECTOR = 16  # float32 lanes of an AVX-512 register, for the per-element pass
 
 
 def _mul0(a, b):
@@ -325,16 +326,32 @@ class Emitter:
                                [r, slot])
 
     def elementwise(self, r, outs: dict, start=0, step: int = 1):
-        """Per-element outputs for elements start, start + step, ... (threads stride)."""
-        count = self.geo.n if step == 1 else tirx.ceildiv(self.geo.n - start, step)
+        """Per-element outputs for elements start, start + step, ... (CUDA threads stride);
+        on the CPU (step 1) the element loop is vectorized in LANES-wide chunks."""
         for name, expr in self.rule.cascade.elementwise.items():
             buf = outs[name]
             width = buf.shape[2]
+
+            def store(i, slot, buf=buf, expr=expr):
+                T.buffer_store(buf, self.expr(expr, self.base_lookup(r, i, slot)), [r, i, slot])
+
+            if step == 1 and width == 1 and self.geo.n >= VECTOR:
+                full = self.geo.n // VECTOR * VECTOR
+                with T.serial(0, full // VECTOR) as c:
+                    with T.vectorized(0, VECTOR) as lane:
+                        store(c * VECTOR + lane, 0)
+                with T.serial(full, self.geo.n) as i:
+                    store(i, 0)
+                continue
+            count = self.geo.n if step == 1 else tirx.ceildiv(self.geo.n - start, step)
             with T.serial(0, count) as c:
                 i = c if step == 1 else start + c * step
-                with self._slots(width) as slot:
-                    T.buffer_store(buf, self.expr(expr, self.base_lookup(r, i, slot)),
-                                   [r, i, slot])
+                if width > 1 and step == 1:
+                    with T.vectorized(0, width) as slot:
+                        store(i, slot)
+                else:
+                    with self._slots(width) as slot:
+                        store(i, slot)
 
 
 class _Const0:

@@ -10,25 +10,27 @@ import os
 from functools import lru_cache
 
 import numpy as np
-import tvm
-from tvm import tirx
-from tvm.script.ir_builder import IRBuilder
-from tvm.script.ir_builder import tirx as T
+
+# TVM's runtime uses one thread unless told, and reads this when it loads: set it first.
+os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
+
+import tvm  # noqa: E402
+import tvm_ffi  # noqa: E402
+from tvm import tirx  # noqa: E402
+from tvm.script.ir_builder import IRBuilder  # noqa: E402
+from tvm.script.ir_builder import tirx as T  # noqa: E402
 
 # Node classes for isinstance checks (0.27 exports BufferLoad as a builder function).
 BufferLoadNode = type(tirx.decl_buffer((1,), "float32")[0])
 LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
-__all__ = ["LEAVES", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
+__all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
            "from_numpy", "empty_aligned", "default_threads", "cuda_source", "nvcc_compile"]
 
 
 def default_threads() -> int:
-    """TVM's runtime uses one thread unless told; we default to every core."""
-    return int(os.environ.get("TVM_NUM_THREADS", os.cpu_count() or 1))
-
-
-os.environ.setdefault("TVM_NUM_THREADS", str(default_threads()))
+    """Threads the TVM runtime uses (TVM_NUM_THREADS, default: every core)."""
+    return int(os.environ["TVM_NUM_THREADS"])
 
 
 @lru_cache(maxsize=1)
@@ -50,7 +52,9 @@ def device(target: dict):
     return tvm.cuda(0) if target["kind"] == "cuda" else tvm.cpu(0)
 
 
-ALIGNMENT = 64  # TVM-generated code assumes 64-byte aligned buffers; from_dlpack checks it
+# Kernel buffers are declared 16-byte aligned (numpy's guarantee for float arrays), so numpy
+# inputs pass without a copy; TVM's own default (64) would force a copy of most of them.
+ALIGNMENT = 16
 
 
 def empty_aligned(shape: tuple, dtype) -> np.ndarray:
@@ -63,15 +67,15 @@ def empty_aligned(shape: tuple, dtype) -> np.ndarray:
 
 
 def from_numpy(array: np.ndarray, dev=None):
-    """A TVM tensor over a numpy array: zero-copy through DLPack when it is C-contiguous and
-    64-byte aligned (large numpy allocations are); otherwise an aligned copy."""
+    """A TVM tensor over a numpy array: zero-copy through DLPack when it is C-contiguous,
+    writeable and ALIGNMENT-aligned (numpy's arrays are); otherwise an aligned copy."""
     if dev is None or dev.device_type == tvm.cpu(0).device_type:
         if not (array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0
                 and array.flags.writeable):
             aligned = empty_aligned(array.shape, array.dtype)
             np.copyto(aligned, array)
             array = aligned
-        return tvm.runtime.from_dlpack(array)
+        return tvm_ffi.from_dlpack(array, require_alignment=ALIGNMENT, require_contiguous=True)
     return tvm.runtime.tensor(array, dev)
 
 
