@@ -38,8 +38,9 @@ def _tree(em: Emitter, shared: States, t, r, threads: int) -> States:
     Each level loads two slots into registers, merges there and stores back, with a
     barrier between loads and stores (the merge never touches shared memory)."""
     pair = States(em.rule, em.geo, 2)
-    stride = threads // 2
-    while stride >= 1:
+    levels = threads.bit_length() - 1
+    with T.serial(0, levels) as level:  # a loop, not unrolled: one copy of the merge
+        stride = tirx.shift_right(tirx.const(threads // 2, "int32"), level)
         with T.If(t < stride):
             with T.Then():
                 _move(shared, t, pair, 0)
@@ -50,7 +51,6 @@ def _tree(em: Emitter, shared: States, t, r, threads: int) -> States:
             with T.Then():
                 _move(pair, 0, shared, t)
         _sync()
-        stride //= 2
     return pair
 
 

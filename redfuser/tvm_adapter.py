@@ -24,7 +24,7 @@ from tvm.script.ir_builder import tirx as T  # noqa: E402
 BufferLoadNode = type(tirx.decl_buffer((1,), "float32")[0])
 LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
-__all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
+__all__ = ["ALIGNMENT", "LEAVES", "structural_equal", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
            "from_numpy", "empty_aligned", "default_threads", "cuda_source", "nvcc_compile"]
 
 
@@ -77,6 +77,11 @@ def from_numpy(array: np.ndarray, dev=None):
             array = aligned
         return tvm_ffi.from_dlpack(array, require_alignment=ALIGNMENT, require_contiguous=True)
     return tvm.runtime.tensor(array, dev)
+
+
+def structural_equal(a, b) -> bool:
+    """IR equality up to variable names (TVM's structural equality)."""
+    return bool(tvm_ffi.structural_equal(a, b, map_free_vars=True))
 
 
 def cuda_source(executable) -> str:

@@ -85,7 +85,7 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
                     em.update(st, lane, base + lane, r)
         with T.serial(tirx.floordiv(length, step) * step, length) as t:
             em.update(st, 0, start + t, r)
-        for lane in range(1, lanes):
+        with T.serial(1, lanes) as lane:  # a loop, not unrolled: one copy of the merge
             em.merge(st, 0, lane, r)
     else:
         with T.serial(0, length) as t:

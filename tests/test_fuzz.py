@@ -1,14 +1,18 @@
 """Fuzzing the spec language: ``derive`` either returns a rule that verifies, or raises
 ``SpecError`` / ``NotFusable``, never anything else; rules it does return agree with the
-float64 reference.  Plus the messages of specific bad and non-fusable specs.
+float64 reference.  Plus the messages of specific bad and non-fusable specs, and one
+regression test per distinct engine failure the fuzzer has found (smallest spec we know).
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
+
 import numpy as np
 import pytest
-from conftest import assert_indices_equal, assert_matches, finite_max_abs, schedules
-from hypothesis import event, given, settings
+from conftest import assert_indices_equal, assert_matches, examples, finite_max_abs, schedules
+from hypothesis import currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
 import redfuser
@@ -23,6 +27,11 @@ UNKNOWN = ("foo", "softmax", "expp", "mean", "Exp")
 REDUCTIONS = ("sum", "sum", "max", "min", "prod", "argmax")
 K_REDUCTIONS = ("topk", "argtopk")
 GARBAGE = "$?!@`{}[]()#:;,=.'\"\\\n\t x"
+# Any text but NUL and lone surrogates: each is an engine bug with its own test below
+# (test_unreadable_characters_are_positioned_spec_errors) that would otherwise be all the text
+# fuzzers ever report (hypothesis shrinks strings towards exactly these characters).
+TEXT = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\x00"),
+               max_size=60)
 
 
 ANCHORED = ("exp(x[i] - {r})", "(x[i] - {r})**2", "x[i] * {r}", "exp({r} - x[i])",
@@ -34,7 +43,7 @@ def expressions(draw, depth: int, n_results: int) -> str:
     """A random expression over streams, parameters, constants and the first ``n_results``
     of RESULTS (the earlier statements' results)."""
     defined = RESULTS[:n_results]
-    if draw(st.integers(0, 29)) == 0:  # now and then: a result not defined yet, or a cycle
+    if draw(st.integers(0, 49)) == 0:  # now and then: a result not defined yet, or a cycle
         leaf = st.sampled_from(RESULTS)
     else:
         leaf = st.sampled_from(["x[i]"] * 4 + ["y[i]", *PARAMS, *CONSTANTS] + list(defined) * 3)
@@ -43,7 +52,7 @@ def expressions(draw, depth: int, n_results: int) -> str:
     sub = expressions(depth - 1, n_results)
     kinds = ["unary"] * 3 + ["op"] * 4 + ["power", "binary", "binary", "neg"] + \
         ["anchored"] * (4 if defined else 0)
-    rare = draw(st.integers(0, 19))  # 1 in 20 nodes: an unknown function or a nested reduction
+    rare = draw(st.integers(0, 39))  # 1 in 40 nodes: an unknown function, 1 in 40 a reduction
     kind = "unknown" if rare == 0 else "reduction" if rare == 1 else draw(st.sampled_from(kinds))
     if kind == "anchored":  # an earlier result inside a stream expression: re-anchoring
         return draw(st.sampled_from(ANCHORED)).format(r=draw(st.sampled_from(defined)))
@@ -87,7 +96,7 @@ def specs(draw) -> str:
     """Random cascades (1-3 statements), sometimes mangled into invalid syntax or garbage."""
     n = draw(st.integers(1, 3))
     text = draw(st.sampled_from(["\n", "; "])).join(draw(statements(k)) for k in range(n))
-    mangle = draw(st.sampled_from(["none"] * 12 + ["insert", "delete", "truncate", "text"]))
+    mangle = draw(st.sampled_from(["none"] * 20 + ["insert", "delete", "truncate", "text"]))
     if mangle == "insert":
         at = draw(st.integers(0, len(text)))
         text = text[:at] + draw(st.text(GARBAGE, min_size=1, max_size=3)) + text[at:]
@@ -97,31 +106,61 @@ def specs(draw) -> str:
     elif mangle == "truncate":
         text = text[:draw(st.integers(0, len(text)))]
     elif mangle == "text":
-        text = draw(st.text(max_size=40))
+        text = draw(TEXT)
     return text
 
 
-def derive_or_reject(spec: str):
-    """The rule, or None when derive rejects the spec the documented way."""
+DERIVE_SECONDS = 15  # derive takes well under a second for anything the fuzzer writes
+
+
+class DeriveHang(BaseException):
+    """derive ran past DERIVE_SECONDS.  Not an Exception on purpose: hypothesis then reports the
+    example at once instead of shrinking it (each shrink step would cost the full limit)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    def expire(signum, frame):
+        raise DeriveHang(f"{what} ran for more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        rule = redfuser.derive(spec)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _note(outcome: str):
+    if currently_in_test_context():  # shown by pytest --hypothesis-show-statistics
+        event(outcome)
+
+
+def derive_or_reject(spec: str):
+    """The rule, or None when derive rejects the spec the documented way: a SpecError that
+    names line and column, or a NotFusable that names the reduction and the culprit."""
+    try:
+        with time_limit(DERIVE_SECONDS, f"derive({spec!r})"):
+            rule = redfuser.derive(spec)
     except redfuser.SpecError as e:
-        event("SpecError")
+        _note("SpecError")
         assert e.line is not None and "line " in str(e) and "column " in str(e), str(e)
         return None
     except redfuser.NotFusable as e:
-        event("NotFusable")
+        _note("NotFusable")
         assert f"reduction '{e.reduction}'" in str(e) and str(e.culprit) in str(e), str(e)
         return None
-    event("derived")
+    _note("derived")
     assert isinstance(rule, redfuser.FusionRule)
     assert rule.verify() is True, spec
     return rule
 
 
 def make_inputs(rule, rng: np.random.Generator, rows: int = 2, n: int = 5, d: int = 3):
-    """float64 inputs in [0.5, 1.5] (inside every function's domain); streams (rows, N) or
-    (rows, N, D), parameters (rows,) or (rows, D).  N = 5, D = 3 and rows = 2 differ, so no
+    """float64 inputs in [0.5, 1.5] (positive, so that most bodies stay inside their functions'
+    domains; where one leaves it, fused and reference must agree on the NaN); streams (rows, N)
+    or (rows, N, D), parameters (rows,) or (rows, D).  N = 5, D = 3 and rows = 2 differ, so no
     input can be read two ways."""
     cascade = rule.cascade
     inputs = {}
@@ -134,13 +173,13 @@ def make_inputs(rule, rng: np.random.Generator, rows: int = 2, n: int = 5, d: in
     return inputs
 
 
-@settings(max_examples=150)
+@settings(max_examples=examples(6))  # 150 by default
 @given(spec=specs(), seed=st.integers(0, 2**32 - 1), data=st.data())
 def test_derive_returns_verified_rule_or_documented_error(spec, seed, data):
     rule = derive_or_reject(spec)
     if rule is None or "x" not in {s.name for s in rule.cascade.streams}:
         return
-    event("evaluated")
+    _note("evaluated")
     inputs = make_inputs(rule, np.random.default_rng(seed))
     chunks, tree = data.draw(schedules(5))
     fused = rule.evaluate(inputs, chunks=chunks, tree=tree)
@@ -155,8 +194,8 @@ def test_derive_returns_verified_rule_or_documented_error(spec, seed, data):
                            name)
 
 
-@settings(max_examples=60)
-@given(st.text(max_size=60))
+@settings(max_examples=examples(2.4))  # 60 by default
+@given(TEXT)
 def test_arbitrary_text_is_a_rule_or_a_spec_error(text):
     derive_or_reject(text)
 
@@ -211,3 +250,117 @@ def test_spec_error_position_points_at_the_problem():
         redfuser.derive("m = max(x[i])\nd = sum(exp(x[i] - m))\ns = sum(fooo(x[i]))")
     assert (info.value.line, info.value.col) == (3, 9)
     assert "line 3, column 9" in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["m = max(x[i])\x00", "m = max(x[i])\n\ud800"])
+def test_unreadable_characters_are_positioned_spec_errors(spec):
+    """A NUL byte, or a lone surrogate that cannot be encoded: a SpecError naming the place."""
+    with pytest.raises(redfuser.SpecError) as info:
+        redfuser.derive(spec)
+    assert info.value.line is not None, str(info.value)
+    assert "line" in str(info.value) and "column" in str(info.value)
+
+
+# -- regressions: small specs the fuzzer found (each states the expected behaviour) -------------
+
+RNG_X = np.random.default_rng(3).uniform(0.5, 1.5, (2, 5))
+
+
+@pytest.mark.parametrize("spec", ["r = sum(0 * x[i])", "r = sum(x[i] - x[i])",
+                                  "m = max(x[i]); r = sum(exp(x[i] - m) - exp(x[i] - m))"])
+def test_sum_of_an_identically_zero_body(spec):
+    """The body simplifies to 0: derive must return a rule (r = 0) or reject it the documented
+    way, not crash."""
+    rule = derive_or_reject(spec)
+    if rule is not None:
+        np.testing.assert_array_equal(rule.evaluate({"x": RNG_X})["r"], 0.0)
+
+
+@pytest.mark.parametrize("spec", ["r = sum(2 ** (x[i] ** x[i]))",
+                                  "r = sum(pow(b, pow(x[i], x[i])))"])
+def test_tower_of_powers_derives_in_bounded_time(spec):
+    rule = derive_or_reject(spec)  # fails with DeriveHang after DERIVE_SECONDS
+    if rule is not None:
+        inputs = {"x": RNG_X, "b": np.full(2, 0.5)}
+        inputs = {k: v for k, v in inputs.items() if k in {p.name for p in rule.cascade.params}
+                  | {s.name for s in rule.cascade.streams}}
+        np.testing.assert_allclose(rule.evaluate(inputs)["r"],
+                                   redfuser.reference(spec, inputs)["r"], rtol=1e-9)
+
+
+def test_deeply_nested_exponentials_derive_or_reject():
+    rule = derive_or_reject("r = sum(exp(exp(exp(x[i]))))")
+    if rule is not None:
+        x = np.full((1, 2), -3.0)
+        np.testing.assert_allclose(rule.evaluate({"x": x})["r"],
+                                   2 * np.exp(np.exp(np.exp(-3.0))), rtol=1e-12)
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("r = sum(x[i] * sigmoid(pi))", RNG_X.sum(-1) / (1 + np.exp(-np.pi))),
+    ("r = sum(x[i]) * relu(pi)", RNG_X.sum(-1) * np.pi),
+])
+def test_function_of_a_symbolic_constant_evaluates(spec, expected):
+    rule = derive_or_reject(spec)
+    assert rule is not None
+    np.testing.assert_allclose(rule.evaluate({"x": RNG_X})["r"], expected, rtol=1e-12)
+    np.testing.assert_allclose(redfuser.reference(spec, {"x": RNG_X})["r"], expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("spec, inputs", [
+    ("m = max(v[i, :])", {"v": np.random.default_rng(4).uniform(0.5, 1.5, (2, 5, 3))}),
+    ("r0 = dot(x[i], a[:]); r1 = max(x[i])",
+     {"x": np.random.default_rng(5).uniform(0.5, 1.5, (2, 5, 3)), "a": np.ones((2, 3))}),
+])
+def test_max_over_a_feature_vector_body(spec, inputs):
+    """max() of a feature-axis body is accepted by derive (it is per-feature), so evaluate must
+    run it and match the reference (or derive must reject it with a SpecError)."""
+    rule = derive_or_reject(spec)
+    if rule is not None:
+        fused, ref = rule.evaluate(inputs, chunks=[2, 3]), redfuser.reference(spec, inputs)
+        for name in ref:
+            np.testing.assert_allclose(fused[name], ref[name], rtol=1e-12)
+
+
+@pytest.mark.parametrize("spec", [
+    "t = topk(x[i], 2); y[i] = x[i] - t",  # k values against the N stream elements
+    "r0 = topk((x[i] + dot(x[i, :], x[i, :])), 1)",  # a feature vector per element
+])
+def test_shape_mismatch_is_a_spec_error(spec):
+    with pytest.raises(redfuser.SpecError, match="line"):
+        redfuser.derive(spec)
+
+
+@pytest.mark.parametrize("spec, x, expected", [
+    ("t = argmax(x[i])", [[np.nan, np.nan], [1.0, np.nan]], [0, 1]),
+    ("t = argmax(sqrt(-x[i]))", [[1.0, 2.0], [0.5, 3.0]], [0, 0]),
+    ("t = argtopk(x[i], 2)", [[np.nan, np.nan, 1.0]], [[0, 1]]),
+])
+def test_index_of_nan_bodies_follows_numpy(spec, x, expected):
+    """NaN bodies (NaN input, or a function outside its domain): the reference follows numpy
+    (NaN counts as the maximum); the fused index must at least be a valid position, and
+    should agree with the reference."""
+    x = np.array(x)
+    fused = redfuser.derive(spec).evaluate({"x": x}, chunks=[1, x.shape[-1] - 1])["t"]
+    assert ((0 <= fused) & (fused < x.shape[-1])).all(), f"index out of range: {fused}"
+    np.testing.assert_array_equal(redfuser.reference(spec, {"x": x})["t"], expected)
+    np.testing.assert_array_equal(fused, expected)
+
+
+def test_complex_constant_is_rejected_or_nan():
+    """(-1) ** 0.5 is a SpecError ('undefined'); (-1) ** (1/3) is complex as well: derive must
+    reject it the same way, or evaluate must give numpy's NaN, not raise."""
+    spec = "r = sum(x[i] * pow(-1, 1/3))"
+    rule = derive_or_reject(spec)
+    if rule is not None:
+        assert np.isnan(rule.evaluate({"x": RNG_X})["r"]).all()
+
+
+@pytest.mark.parametrize("spec, value", [("m = max(x[i]); z = m - m", 0.0),
+                                         ("m = max(x[i]); z = m / m", 1.0)])
+def test_result_that_simplifies_to_a_constant(spec, value):
+    """z simplifies to a number: it is still a per-row result of shape (*rows,)."""
+    rule = derive_or_reject(spec)
+    assert rule is not None
+    np.testing.assert_array_equal(rule.evaluate({"x": RNG_X}, chunks=[2, 3])["z"], [value] * 2)
+    np.testing.assert_array_equal(redfuser.reference(spec, {"x": RNG_X})["z"], [value] * 2)
