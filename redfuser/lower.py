@@ -14,6 +14,8 @@ that is exactly 0 gives 0 (``_mul0``).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import sympy as sp
 
 from algebra.components import COUNT, INDEX_SENTINEL, LinearComponent, SelectComponent, primed
@@ -202,8 +204,19 @@ class Emitter:
         look = self.base_lookup(r, i, slot, {**dots, **anchors})
         return [self.expr(b, look) for b in comp.basis]
 
-    def _slots(self, width):
-        return T.serial(0, width) if width > 1 else _Const0()
+    @contextmanager
+    def _slots(self, width: int):
+        """Loop over the slots of a feature vector (or top-k list); vectorized in VECTOR-wide
+        chunks when no lane loop is vectorized around it (a vector loop cannot nest)."""
+        if width == 1:
+            yield 0
+        elif self.plan.lanes == 1 and self.plan.threads == 1 and width % VECTOR == 0:
+            with T.serial(0, width // VECTOR) as outer:
+                with T.vectorized(0, VECTOR) as inner:
+                    yield outer * VECTOR + inner
+        else:
+            with T.serial(0, width) as slot:
+                yield slot
 
     def _linear(self, st, comp, sources, lane_out, new, r, fresh):
         """S_out = sum over sources (lane, anchors) of A(anchors -> new) S_lane [+ fresh]."""

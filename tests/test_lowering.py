@@ -164,3 +164,18 @@ def test_cuda_source_compiles_with_nvcc_for_sm90(name):
     kernel.prepare(**library_inputs(name, n=300))
     ptx = nvcc_compile(kernel.cuda_source(), arch="sm_90")
     assert b".target sm_90" in ptx
+
+
+@pytest.mark.parametrize("name", ["attention", "rmsnorm_gemm"])
+def test_feature_axis_wide_enough_to_vectorize(name):
+    d = 32
+    if name == "attention":
+        inputs = dict(q=rng.normal(size=(2, 2, d)).astype(np.float32),
+                      k=rng.normal(size=(2, 1, 50, d)).astype(np.float32),
+                      v=rng.normal(size=(2, 1, 50, d)).astype(np.float32), scale=0.2)
+    else:
+        inputs = dict(x=rng.normal(size=(3, 50)).astype(np.float32),
+                      w=rng.normal(size=(50, d)).astype(np.float32), eps=1e-5)
+    kernel = redfuser.compile(name)
+    assert_matches(kernel(**inputs), redfuser.reference(name, inputs))
+    assert "T.vectorized(16)" in kernel.source()

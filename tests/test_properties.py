@@ -349,6 +349,19 @@ def test_softmax_row_of_all_neg_inf(chunks, tree):
     assert_matches(fused["y"], ref["y"], RTOL, 1e-6, "y")
 
 
+@pytest.mark.parametrize("chunks, tree", [([3], None), ([1, 2], None), ([1, 2], (1, 0)),
+                                          ([1, 1, 1], (2, (1, 0)))])
+def test_polynomial_reanchoring_from_a_neg_inf_anchor(chunks, tree):
+    """The anchor m starts at -inf (the first y is masked); the body (x - m)**2 at the final,
+    finite m is finite everywhere, so r must be too: re-anchoring a state gathered at m = -inf
+    must not turn into inf - inf = NaN."""
+    spec = "m = max(y[i]); r = sum((x[i] - m)**2)"
+    inputs = {"x": np.array([[0.5, 1.0, 1.5]], F32), "y": np.array([[NEG_INF, 1.0, 2.0]], F32)}
+    fused, ref = run_both(spec, inputs, chunks, tree)
+    assert ref["r"].tolist() == [3.5]
+    assert_matches(fused["r"], ref["r"], RTOL, 0, "r")
+
+
 def test_softmax_moments_masked_logit_no_spurious_nan():
     """Masked (-inf) logits: wherever the reference is finite the fused value matches, and the
     fused rule never produces NaN where the reference has none."""
