@@ -349,16 +349,38 @@ def test_softmax_row_of_all_neg_inf(chunks, tree):
     assert_matches(fused["y"], ref["y"], RTOL, 1e-6, "y")
 
 
+# The anchor is the max of *another* stream y: while y has only shown -inf, the running anchor
+# is -inf although the bodies are finite at the final anchor.
+FOREIGN_ANCHOR = {
+    "m = max(y[i]); r = sum(exp(x[i] - m))": 1.1975402595,  # + exp(0.5 - 2): must not be lost
+    "m = max(y[i]); r = sum(exp(m - x[i]))": 8.8486921692,
+    "m = max(y[i]); r = sum((x[i] - m)**2)": 3.5,  # must not become inf - inf = NaN
+}
+
+
 @pytest.mark.parametrize("chunks, tree", [([3], None), ([1, 2], None), ([1, 2], (1, 0)),
                                           ([1, 1, 1], (2, (1, 0)))])
-def test_polynomial_reanchoring_from_a_neg_inf_anchor(chunks, tree):
-    """The anchor m starts at -inf (the first y is masked); the body (x - m)**2 at the final,
-    finite m is finite everywhere, so r must be too: re-anchoring a state gathered at m = -inf
-    must not turn into inf - inf = NaN."""
-    spec = "m = max(y[i]); r = sum((x[i] - m)**2)"
+@pytest.mark.parametrize("spec", sorted(FOREIGN_ANCHOR))
+def test_reanchoring_from_a_neg_inf_anchor(spec, chunks, tree):
+    """y = [-inf, 1, 2]: the final m = 2 is finite and so is every body at it, so r is the
+    plain sum over all three elements, the first included."""
     inputs = {"x": np.array([[0.5, 1.0, 1.5]], F32), "y": np.array([[NEG_INF, 1.0, 2.0]], F32)}
     fused, ref = run_both(spec, inputs, chunks, tree)
-    assert ref["r"].tolist() == [3.5]
+    np.testing.assert_allclose(ref["r"], [FOREIGN_ANCHOR[spec]], rtol=1e-9)
+    assert_matches(fused["r"], ref["r"], RTOL, 0, "r")
+
+
+@pytest.mark.parametrize("spec", sorted(FOREIGN_ANCHOR))
+@given(data=st.data())
+def test_anchor_from_another_stream_with_masked_entries(spec, data):
+    rows, n = data.draw(row_shapes()), data.draw(stream_lengths())
+    x = data.draw(float32_streams(rows + (n,), kinds=("normal", "grid"), limit=4.0))
+    y = data.draw(float32_streams(rows + (n,), kinds=("normal", "grid"), limit=4.0,
+                                  inject=NEG_INF))
+    chunks, tree = data.draw(schedules(n))
+    fused, ref = run_both(spec, {"x": x, "y": y}, chunks, tree)
+    assert_matches(fused["m"], ref["m"], 0, 0, "m")
+    # sums of positive terms (each at most e^8 or 8^2 here): relative accuracy
     assert_matches(fused["r"], ref["r"], RTOL, 0, "r")
 
 

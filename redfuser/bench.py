@@ -1,0 +1,172 @@
+"""Benchmark: ``python -m redfuser.bench`` (a script, not a test).
+
+For each workload: the fused kernel, the unfused kernel (same scheduling, one pass
+per reduction), numpy, torch eager and torch.compile when torch is installed, and a
+plain copy of the input bytes (the bandwidth bound) — all float32, medians of
+repeated runs in one process, with the thread count printed.  Ratios are measured
+in the same run because these machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+import redfuser
+
+from .tvm_adapter import default_threads
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    spec: str  # library name
+    make: Callable[[np.random.Generator, float], dict]  # (rng, scale) -> inputs
+    numpy: Callable[[dict], object]
+    torch: Callable[[dict], object] | None
+    copy_of: str  # the input whose bytes bound the memory traffic
+
+
+def _sdpa(t):
+    import torch.nn.functional as F
+
+    return lambda a: F.scaled_dot_product_attention(t(a["q"]), t(a["k"]), t(a["v"]),
+                                                    scale=a["scale"])
+
+
+def _np_softmax(a):
+    m = a["x"].max(-1, keepdims=True)
+    e = np.exp(a["x"] - m)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _np_attention(a):
+    s = np.einsum("hqd,hkd->hqk", a["q"], a["k"][:, 0]) * a["scale"]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("hqk,hkd->hqd", p / p.sum(-1, keepdims=True), a["v"][:, 0])
+
+
+def _np_moe(a):
+    p = _np_softmax(a)
+    idx = np.argpartition(-p, 8, axis=-1)[:, :8]
+    return np.take_along_axis(p, idx, -1), idx
+
+
+def _np_rms_gemm(a):
+    r = np.sqrt((a["x"] ** 2).mean(-1, keepdims=True) + a["eps"])
+    return (a["x"] / r) @ a["w"]
+
+
+def workloads(torch_tensor) -> list[Workload]:
+    t = torch_tensor
+    tt = (lambda f: f) if t else (lambda f: None)
+
+    def rows(r, n):
+        return lambda g, s: {"x": g.normal(size=(int(r * s) or 1, n)).astype(np.float32)}
+
+    def attn(h, lq, lk, d):
+        return lambda g, s: {
+            "q": g.normal(size=(h, max(1, int(lq * s)), d)).astype(np.float32),
+            "k": g.normal(size=(h, 1, lk, d)).astype(np.float32),
+            "v": g.normal(size=(h, 1, lk, d)).astype(np.float32), "scale": d ** -0.5}
+
+    def rms(g, s):
+        n = 4096
+        return {"x": g.normal(size=(max(1, int(256 * s)), n)).astype(np.float32),
+                "w": (g.normal(size=(n, 4096)) / 64).astype(np.float32), "eps": 1e-6}
+
+    import_torch = __import__("torch") if t else None
+    return [
+        Workload("softmax 4096x4096", "softmax", rows(4096, 4096), _np_softmax,
+                 tt(lambda a: import_torch.softmax(t(a["x"]), -1)), "x"),
+        Workload("attention 8x1024x1024 D64", "attention", attn(8, 1024, 1024, 64),
+                 _np_attention, tt(_sdpa(t) if t else None), "k"),
+        Workload("decode attention 8x1x32768 D128", "attention", attn(8, 1, 32768, 128),
+                 _np_attention, tt(_sdpa(t) if t else None), "k"),
+        Workload("layernorm stats 4096x4096", "variance", rows(4096, 4096),
+                 lambda a: (a["x"].mean(-1), a["x"].var(-1)),
+                 tt(lambda a: import_torch.var_mean(t(a["x"]), -1, correction=0)), "x"),
+        Workload("moe routing 4096x256 top8", "moe_routing", rows(4096, 256), _np_moe,
+                 tt(lambda a: import_torch.topk(import_torch.softmax(t(a["x"]), -1), 8)), "x"),
+        Workload("rmsnorm+gemm 256x4096->4096", "rmsnorm_gemm", rms, _np_rms_gemm,
+                 tt(lambda a: import_torch.nn.functional.rms_norm(
+                     t(a["x"]), (4096,), eps=a["eps"]) @ t(a["w"])), "w"),
+    ]
+
+
+def median_ms(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up: compile caches, JIT, page faults
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e3
+
+
+def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
+        only: str | None = None) -> list[dict]:
+    try:
+        import torch
+
+        torch.set_num_threads(default_threads())
+        as_torch = torch.from_numpy
+    except ImportError:
+        torch, as_torch = None, None
+    rng = np.random.default_rng(0)
+    rows = []
+    for w in workloads(as_torch):
+        if only and only not in w.name:
+            continue
+        inputs = w.make(rng, scale)
+        fused, unfused = (redfuser.compile(w.spec, variant=v) for v in (None, "unfused"))
+        row = {"workload": w.name}
+        row["fused"] = median_ms(lambda f=fused: f(**inputs), repeat)
+        row["plan"] = str(fused.plan)
+        row["unfused"] = median_ms(lambda f=unfused: f(**inputs), repeat)
+        row["numpy"] = median_ms(lambda: w.numpy(inputs), repeat)
+        src = inputs[w.copy_of]
+        row["copy"] = median_ms(lambda: src.copy(), repeat)
+        if torch is not None and w.torch is not None:
+            with torch.inference_mode():
+                row["torch"] = median_ms(lambda: w.torch(inputs), repeat)
+                if with_compile:
+                    compiled = torch.compile(w.torch)
+                    row["torch.compile"] = median_ms(lambda c=compiled: c(inputs), repeat)
+        rows.append(row)
+        print(_line(row), flush=True)
+    return rows
+
+
+COLUMNS = ("fused", "unfused", "numpy", "torch", "torch.compile", "copy")
+WIDTH = {c: max(9, len(c) + 1) for c in COLUMNS}
+
+
+def _line(row: dict) -> str:
+    cells = [f"{row[c]:{WIDTH[c]}.2f}" if c in row else f"{'-':>{WIDTH[c]}}" for c in COLUMNS]
+    f = row["fused"]
+    ratios = (f"unfused/fused {row['unfused'] / f:5.2f}  fused/copy {f / row['copy']:5.2f}" +
+              (f"  torch/fused {row['torch'] / f:5.2f}" if "torch" in row else ""))
+    return f"{row['workload']:<34}" + "".join(cells) + "   " + ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m redfuser.bench", description=__doc__)
+    p.add_argument("--scale", type=float, default=1.0, help="scale the row counts (quick runs)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--only", help="run the workloads whose name contains this")
+    args = p.parse_args(argv)
+    print(f"threads: {default_threads()} (TVM_NUM_THREADS; torch set to the same); times in ms, "
+          f"medians of {args.repeat}")
+    print(f"{'workload':<34}" + "".join(f"{c:>{WIDTH[c]}}" for c in COLUMNS))
+    run(args.scale, args.repeat, not args.no_compile, args.only)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
