@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test gpu-check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check redfuser algebra tests
 	$(PY) -m pytest
+
+gpu-check: $(STAMP)
+	$(PY) -m redfuser.gpucheck
+
+bench: $(STAMP)
+	$(PY) -m redfuser.bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

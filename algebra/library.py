@@ -49,3 +49,34 @@ LIBRARY: dict[str, tuple[str, str]] = {
 def resolve_spec(spec: str) -> str:
     """A library name -> its spec text; anything else is taken as spec text."""
     return LIBRARY[spec][0] if spec in LIBRARY else spec
+
+
+def example_inputs(name: str, n: int = 64, rows: tuple = (4,), d: int = 16, seed: int = 0):
+    """Random float32 inputs of the right shapes for a library cascade.
+
+    Examples
+    --------
+    >>> {k: v.shape for k, v in example_inputs("attention", n=8, rows=(2, 3), d=4).items()
+    ...  if hasattr(v, "shape")}
+    {'q': (2, 3, 4), 'k': (2, 1, 8, 4), 'v': (2, 1, 8, 4)}
+    """
+    import numpy as np
+
+    g = np.random.default_rng(seed)
+
+    def normal(*shape):
+        return g.normal(size=shape).astype(np.float32)
+
+    if name == "attention":
+        lead = rows[:-1] or (1,)
+        return {"q": normal(*rows, d), "k": normal(*lead, 1, n, d), "v": normal(*lead, 1, n, d),
+                "scale": d ** -0.5}
+    extra = {
+        "layernorm": lambda: {"g": normal(*rows, n), "b": normal(*rows, n), "eps": 1e-5},
+        "rmsnorm": lambda: {"g": normal(n), "eps": 1e-5},
+        "rmsnorm_gemm": lambda: {"w": normal(n, d), "eps": 1e-5},
+        "cross_entropy": lambda: {"t": np.eye(n, dtype=np.float32)[g.integers(0, n, rows)]},
+        "softmax_entropy": lambda: {"T": 0.7},
+        "softmin_average": lambda: {"v": normal(*rows, n, d)},
+    }
+    return {"x": normal(*rows, n), **extra.get(name, dict)()}

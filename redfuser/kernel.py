@@ -20,7 +20,8 @@ from algebra.rule import FusionRule
 
 from .analysis import Geometry, geometry
 from .plan import Plan, choose
-from .tvm_adapter import build, cpu_target, cuda_source, cuda_target, empty_aligned, from_numpy
+from .tvm_adapter import (build, cpu_target, cuda_source, cuda_target, device, empty_aligned,
+                          from_numpy, time_ms)
 from .variants import build_primfunc, result_dtype
 
 TARGETS = {"cpu": cpu_target, "cuda": cuda_target}
@@ -66,14 +67,31 @@ class Kernel:
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
         _, executable, _ = self._compiled(geo)
-        if self.target != "cpu":
-            raise RuntimeError("running CUDA kernels needs a GPU; use kernel.cuda_source()")
-        args = [from_numpy(layout.arrays[k].reshape(g.count, g.length, g.width))
+        dev = device(TARGETS[self.target]())
+        if self.target == "cuda" and not dev.exist:
+            raise RuntimeError("no CUDA device here: use kernel.prepare(...) and "
+                               "kernel.cuda_source() to inspect the generated code")
+        args = [from_numpy(layout.arrays[k].reshape(g.count, g.length, g.width), dev)
                 for k, g in sorted(geo.inputs.items())]
         outs = self._outputs(geo)
-        executable[FUNC_NAME](*args, *(from_numpy(o) for o in outs.values()))
+        tensors = [from_numpy(o, dev) for o in outs.values()]
+        executable[FUNC_NAME](*args, *tensors)
+        if self.target == "cuda":  # device results come back by copy
+            outs = {k: t.numpy() for k, t in zip(outs, tensors, strict=True)}
         values = {k: _canonical(self.rule, geo, k, v) for k, v in outs.items()}
         return to_user(self.rule.cascade, layout, values)
+
+    def time(self, repeat: int = 5, **inputs) -> float:
+        """Median milliseconds of the kernel alone on ``inputs`` (inputs and outputs already on
+        the device; TVM's time evaluator synchronises)."""
+        layout = self._layout(inputs)
+        geo = geometry(self.rule, layout)
+        _, executable, _ = self._compiled(geo)
+        dev = device(TARGETS[self.target]())
+        args = [from_numpy(layout.arrays[k].reshape(g.count, g.length, g.width), dev)
+                for k, g in sorted(geo.inputs.items())]
+        args += [from_numpy(o, dev) for o in self._outputs(geo).values()]
+        return time_ms(executable, FUNC_NAME, dev, args, repeat)
 
     def _outputs(self, geo: Geometry) -> dict[str, np.ndarray]:
         from .variants import _elementwise_width, result_width

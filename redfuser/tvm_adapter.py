@@ -24,7 +24,7 @@ from tvm.script.ir_builder import tirx as T  # noqa: E402
 BufferLoadNode = type(tirx.decl_buffer((1,), "float32")[0])
 LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
-__all__ = ["ALIGNMENT", "LEAVES", "structural_equal", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
+__all__ = ["ALIGNMENT", "LEAVES", "structural_equal", "time_ms", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
            "from_numpy", "empty_aligned", "default_threads", "cuda_source", "nvcc_compile"]
 
 
@@ -69,14 +69,21 @@ def empty_aligned(shape: tuple, dtype) -> np.ndarray:
 def from_numpy(array: np.ndarray, dev=None):
     """A TVM tensor over a numpy array: zero-copy through DLPack when it is C-contiguous,
     writeable and ALIGNMENT-aligned (numpy's arrays are); otherwise an aligned copy."""
-    if dev is None or dev.device_type == tvm.cpu(0).device_type:
+    if dev is None or dev.dlpack_device_type() == tvm.cpu(0).dlpack_device_type():
         if not (array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0
                 and array.flags.writeable):
             aligned = empty_aligned(array.shape, array.dtype)
             np.copyto(aligned, array)
             array = aligned
         return tvm_ffi.from_dlpack(array, require_alignment=ALIGNMENT, require_contiguous=True)
-    return tvm.runtime.tensor(array, dev)
+    return tvm.runtime.tensor(np.ascontiguousarray(array), dev)
+
+
+def time_ms(executable, name: str, dev, args, repeat: int = 5) -> float:
+    """Median time of one call of ``executable[name]`` in milliseconds (TVM's evaluator,
+    which synchronises the device)."""
+    timer = executable.mod.time_evaluator(name, dev, number=1, repeat=repeat, min_repeat_ms=0)
+    return float(timer(*args).median) * 1e3
 
 
 def structural_equal(a, b) -> bool:

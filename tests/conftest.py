@@ -35,7 +35,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
                                      "dev"))
 
 
-
 def examples(factor: float) -> int:
     """A per-test example count relative to the loaded profile's (25 by default), so that
     HYPOTHESIS_PROFILE=thorough scales the tests that set their own count as well."""
@@ -136,8 +135,8 @@ def float32_streams(draw, shape: tuple[int, ...],
     """A float32 array of ``shape`` (the stream axis last; or (..., N, D) for feature rows).
 
     The element kind is drawn from ``kinds`` ('huge' uses the ``huge`` limit, the others
-    ``limit``).  With ``inject`` (e.g. -inf) that value may replace a random subset of the
-    entries, the first element of every row, or whole rows."""
+    ``limit``).  With ``inject`` (e.g. -inf; meant for (*rows, N) streams) that value may
+    replace a random subset of the entries, the first element of every row, or whole rows."""
     kind = draw(st.sampled_from(kinds))
     x = draw(hnp.arrays(F32, shape, elements=values(kind, huge if kind == "huge" else limit)))
     x = x.copy()
@@ -188,7 +187,7 @@ def assert_matches(fused: np.ndarray, ref: np.ndarray, rtol: float, atol, name: 
                                 ref.shape)
     bad = fin & ~(err <= bound)
     assert not bad.any(), (
-        f"{name}: {int(bad.sum())} value(s) off; worst at {np.argwhere(bad)[0].tolist()}: fused "
+        f"{name}: {int(bad.sum())} value(s) off; first at {np.argwhere(bad)[0].tolist()}: fused "
         f"{fused[bad][0]!r} vs reference {ref[bad][0]!r} (tolerance {bound[bad][0]:.3g})")
 
 
