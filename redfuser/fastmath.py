@@ -16,7 +16,7 @@ from contextvars import ContextVar
 
 import numpy as np
 
-from .tvm_adapter import IRBuilder, T, build, cpu_target, from_numpy, tirx
+from .tvm_adapter import IRBuilder, T, arg_buffer, build, cpu_target, from_numpy, tirx
 
 __all__ = ["fast_exp", "fast_log", "fast_tanh", "fast_sigmoid", "elementwise_kernel",
            "evaluate"]
@@ -284,8 +284,7 @@ def elementwise_kernel(builder, n: int, lanes: int = 16, parallel: bool = False,
         with T.prim_func():
             T.func_name(name)
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
-            x = T.match_buffer(T.arg("x", T.handle()), (n,), F32)
-            y = T.match_buffer(T.arg("y", T.handle()), (n,), F32)
+            x, y = arg_buffer("x", (n,), F32), arg_buffer("y", (n,), F32)
             with outer(0, n // lanes) as o:
                 with T.vectorized(0, lanes) as lane:
                     T.buffer_store(y, builder(x[o * lanes + lane]), [o * lanes + lane])

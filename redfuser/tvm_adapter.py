@@ -24,7 +24,7 @@ from tvm.script.ir_builder import tirx as T  # noqa: E402
 BufferLoadNode = type(tirx.decl_buffer((1,), "float32")[0])
 LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
-__all__ = ["ALIGNMENT", "LEAVES", "structural_equal", "time_ms", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
+__all__ = ["ALIGNMENT", "LEAVES", "arg_buffer", "structural_equal", "time_ms", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
            "from_numpy", "empty_aligned", "default_threads", "cuda_source", "nvcc_compile"]
 
 
@@ -55,6 +55,13 @@ def device(target: dict):
 # Kernel buffers are declared 16-byte aligned (numpy's guarantee for float arrays), so numpy
 # inputs pass without a copy; TVM's own default (64) would force a copy of most of them.
 ALIGNMENT = 16
+
+
+def arg_buffer(name: str, shape: tuple, dtype: str = "float32"):
+    """A PrimFunc argument buffer, declared ALIGNMENT-aligned: every kernel argument must go
+    through here, since from_numpy hands over numpy's 16-byte aligned memory as it is and
+    code compiled for TVM's default 64-byte alignment would fault on it."""
+    return T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=ALIGNMENT)
 
 
 def empty_aligned(shape: tuple, dtype) -> np.ndarray:

@@ -18,7 +18,7 @@ from algebra.spec import Cascade
 from .analysis import Geometry
 from .lower import F32, I64, Emitter, States, rule_k
 from .plan import Plan
-from .tvm_adapter import ALIGNMENT, IRBuilder, T, tirx
+from .tvm_adapter import IRBuilder, T, arg_buffer, tirx
 
 
 def result_width(rule: FusionRule, geo: Geometry, name: str) -> int:
@@ -41,22 +41,17 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = "red
             bufs = {}
             for inp in sorted(geo.inputs):
                 g = geo.inputs[inp]
-                handle = T.arg(inp, T.handle())
-                bufs[inp] = T.match_buffer(handle, (g.count, g.length, g.width), F32,
-                                           align=ALIGNMENT)
+                bufs[inp] = arg_buffer(inp, (g.count, g.length, g.width), F32)
             results, elementwise = {}, {}
             for out in rule.outputs:
-                handle = T.arg(out, T.handle())
                 if out in rule.cascade.elementwise:
                     width = geo.width(out) if out in geo.vec else _elementwise_width(rule, geo,
                                                                                       out)
-                    elementwise[out] = T.match_buffer(handle, (geo.r, geo.n, width), F32,
-                                                      align=ALIGNMENT)
+                    elementwise[out] = arg_buffer(out, (geo.r, geo.n, width), F32)
                 else:
                     width = result_width(rule, geo, out)
-                    buf = T.match_buffer(handle, (geo.r, width), result_dtype(rule, out),
-                                         align=ALIGNMENT)
-                    results[out] = (buf, width)
+                    results[out] = (arg_buffer(out, (geo.r, width), result_dtype(rule, out)),
+                                    width)
             emit = (VARIANTS if target == "cpu" else CUDA_VARIANTS)[plan.variant]
             emit(rule, geo, plan, bufs, results, elementwise)
     return ib.get()
