@@ -12,11 +12,14 @@ Three families (see ``laws.LAWS``):
 - ``ProductComponent`` (prod): keeps prod G(x); finalize multiplies by C(a)**n.
 
 The numpy run (used by ``FusionRule.evaluate``) is the kernel's algorithm in the
-inputs' dtype.  Infinite anchors follow three laws that make the fused pass agree
-with the float64 multi-pass reference: re-anchoring to an equal anchor is the
-identity (so -inf -> -inf never computes inf - inf); a factor that is exactly 0
-annihilates, and the empty state 0 stays 0 under any factor (so a state gathered at
-an anchor infinitely below the new one vanishes, NaN included).
+inputs' dtype.  Non-finite anchors follow laws that make the fused pass agree with
+the float64 multi-pass reference.  Re-anchoring is exact for *any* anchor value, so
+during the pass a state is kept at a *working* anchor: the running value where it
+is finite, 0 where it is not (-inf before any element, 0/0 for an empty mean); at
+finalize each state moves from its working anchors to the true final ones with IEEE
+arithmetic, which reproduces the reference's inf and NaN exactly where it has them.
+In the pass, an unmoved anchor keeps the state, and a factor that is exactly 0
+annihilates while the empty state 0 stays 0 under any factor (``mul0``).
 """
 
 from __future__ import annotations
@@ -116,13 +119,16 @@ class LinearComponent(Component):
                    for k, v in enumerate(self.matrix.row(r)) if v != 0]
         return entries, [compile_expr(b) for b in self.basis]
 
-    def _reanchor(self, src: dict, a_old: dict, a_new: dict, dt) -> list:
-        """A(a_old, a_new) @ S, with the identity where the anchors did not move."""
+    def _reanchor(self, src: dict, a_old: dict, a_new: dict, dt, ieee: bool = False) -> list:
+        """A(a_old, a_new) @ S, with the identity where the anchors did not move; products use
+        ``mul0`` (an empty state stays empty) unless ``ieee`` (finalize: inf * 0 = NaN, as the
+        multi-pass reference computes exp(-inf - -inf))."""
         entries, _ = self.compiled("prog", self._program)
         env = {**a_old, **{a.name + "'": a_new[a.name] for a in self.anchors}}
         out = [dt.type(0)] * len(self.columns)
+        times = np.multiply if ieee else mul0
         for r, k, entry in entries:
-            out[r] = out[r] + mul0(np.asarray(entry(env, dt)), src[self.columns[k].name])
+            out[r] = out[r] + times(np.asarray(entry(env, dt)), src[self.columns[k].name])
         same = _same(a_old, a_new, self.anchors)
         return [np.where(same, src[c.name], o) for c, o in zip(self.columns, out, strict=True)]
 
@@ -133,6 +139,14 @@ class LinearComponent(Component):
         for r, c in enumerate(self.columns):
             if c != COUNT:
                 new[c.name] = moved[r] + basis[r](env, dt)
+
+    def settle(self, state: dict, a_work: dict, a_true: dict, dt):
+        """Finalize: move the state from the working anchors it was kept at to the true final
+        anchors (they differ only where a true anchor is not finite)."""
+        moved = self._reanchor(state, a_work, a_true, dt, ieee=True)
+        for r, c in enumerate(self.columns):
+            if c != COUNT:
+                state[c.name] = moved[r]
 
     def merge(self, left, right, out, a_left, a_right, a_out, dt):
         from_l = self._reanchor(left, a_left, a_out, dt)
@@ -201,10 +215,10 @@ class SelectComponent(Component):
         if index is None:  # values only: a plain maximum/minimum (NaN propagates, as np.max)
             best = np.maximum if self.direction > 0 else np.minimum
             out[value] = best.reduce(v, axis=-2, keepdims=True) if self.k == 1 else \
-                np.take_along_axis(v, _order(v, np.zeros(v.shape, np.int64), self.direction)
+                np.take_along_axis(v, rank_order(v, np.zeros(v.shape, np.int64), self.direction)
                                    [..., : self.k, :], axis=-2)
             return
-        order = _order(v, j, self.direction)[..., : self.k, :]
+        order = rank_order(v, j, self.direction)[..., : self.k, :]
         out[value] = np.take_along_axis(v, order, axis=-2)
         out[index] = np.take_along_axis(j, order, axis=-2)
 
@@ -224,18 +238,25 @@ class SelectComponent(Component):
 
 
 def _concat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    a = np.broadcast_to(a, shape + a.shape[-2:])
-    b = np.broadcast_to(b, shape + b.shape[-2:])
+    """Join candidates along axis -2, broadcasting rows and the feature axis."""
+    rows = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    feat = np.broadcast_shapes(a.shape[-1:], b.shape[-1:])
+    a = np.broadcast_to(a, rows + a.shape[-2:-1] + feat)
+    b = np.broadcast_to(b, rows + b.shape[-2:-1] + feat)
     return np.concatenate([a, b], axis=-2)
 
 
-def _order(v: np.ndarray, j: np.ndarray, direction: int) -> np.ndarray:
-    """Sort positions along axis -2: best value first, ties by lower index (stable sorts)."""
-    by_index = np.argsort(j, axis=-2, kind="stable")
-    v2 = np.take_along_axis(v, by_index, axis=-2)
-    by_value = np.argsort(-v2 if direction > 0 else v2, axis=-2, kind="stable")
-    return np.take_along_axis(by_index, by_value, axis=-2)
+def rank_order(v: np.ndarray, j: np.ndarray, direction: int) -> np.ndarray:
+    """Positions along axis -2 from best to worst: NaN first (NaN wins a selection, as in
+    np.max and np.argmax), then by value in ``direction``, ties by lower index, and empty
+    slots (index INDEX_SENTINEL) last.  Stable sorts, least significant key first."""
+    order = np.argsort(j, axis=-2, kind="stable")
+    for key in (lambda v, j: -v if direction > 0 else v,
+                lambda v, j: ~np.isnan(v),
+                lambda v, j: j == INDEX_SENTINEL):
+        k = key(np.take_along_axis(v, order, axis=-2), np.take_along_axis(j, order, axis=-2))
+        order = np.take_along_axis(order, np.argsort(k, axis=-2, kind="stable"), axis=-2)
+    return order
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ class Sigmoid(_Named):
 
     @classmethod
     def eval(cls, x):
-        if x.is_Number:
+        if x.is_number:  # numbers, also symbolic ones such as pi: evaluate to standard sympy
             return 1 / (1 + sp.exp(-x))
 
     def fdiff(self, argindex=1):
@@ -57,7 +57,7 @@ class Relu(_Named):
 
     @classmethod
     def eval(cls, x):
-        if x.is_Number:
+        if x.is_number:
             return sp.Max(x, 0)
 
     def fdiff(self, argindex=1):
@@ -77,7 +77,7 @@ class Step(_Named):
 
     @classmethod
     def eval(cls, x):
-        if x.is_Number:
+        if x.is_number and x.is_extended_real:
             return sp.S.One if x >= 0 else sp.S.Zero
 
     def _eval_is_nonnegative(self):
@@ -91,7 +91,7 @@ class Softplus(_Named):
 
     @classmethod
     def eval(cls, x):
-        if x.is_Number:
+        if x.is_number:
             return sp.log(1 + sp.exp(x))
 
     def fdiff(self, argindex=1):
@@ -114,6 +114,11 @@ class Round(_Named):
         if x.is_Integer:
             return x
 
+    def _eval_evalf(self, prec):
+        value = self.args[0].evalf(prec)
+        if value.is_Number:
+            return sp.Float(round(float(value)), prec)  # Python's round: half to even
+
     def _eval_is_extended_real(self):
         return self.args[0].is_extended_real
 
@@ -131,7 +136,7 @@ class Maximum(_Named):
             return b
         if b is sp.S.NegativeInfinity:
             return a
-        if a.is_Number and b.is_Number:
+        if a.is_number and b.is_number:
             return sp.Max(a, b)
 
     def _eval_is_extended_real(self):
@@ -154,7 +159,7 @@ class Minimum(_Named):
             return b
         if b is sp.S.Infinity:
             return a
-        if a.is_Number and b.is_Number:
+        if a.is_number and b.is_number:
             return sp.Min(a, b)
 
     def _eval_is_extended_real(self):

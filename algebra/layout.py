@@ -17,7 +17,7 @@ from numbers import Number
 
 import numpy as np
 
-from .spec import Cascade
+from .spec import Cascade, carries_feature_axis
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Layout:
     d: int | None
     dtype: np.dtype
     arrays: dict[str, np.ndarray]
+    vector: frozenset[str] = frozenset()  # inputs read with the feature axis
 
 
 def _fail(name: str, shape, expected: str):
@@ -61,9 +62,11 @@ def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
     vec = set(cascade.vector_inputs)
     n = _stream_length(cascade, arrays, vec, inputs.get("N"))
     d = _feature_length(arrays, vec, streams)
+    known = [a.ndim - (2 if k in vec else 1 if k in streams else 1 if k in vec else 0)
+             for k, a in arrays.items() if k in vec or k in params]
     for s in streams:
         if s not in vec:
-            if _reads_as_vector(s, arrays[s].shape, n, d):
+            if _reads_as_vector(arrays[s].shape, n, d, max(known, default=0)):
                 vec.add(s)
                 d = arrays[s].shape[-1]
             elif arrays[s].ndim < 1 or arrays[s].shape[-1] != n:
@@ -86,7 +89,7 @@ def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
     except ValueError:
         desc = ", ".join(f"{k}: {v}" for k, v in row_shapes.items())
         raise ValueError(f"row axes do not broadcast ({desc})") from None
-    return Layout(tuple(rows), n, d, dtype, views)
+    return Layout(tuple(rows), n, d, dtype, views, frozenset(vec))
 
 
 def _as_array(name: str, value) -> np.ndarray:
@@ -136,44 +139,50 @@ def _feature_length(arrays, vec, streams) -> int | None:
     return d
 
 
-def _reads_as_vector(name, shape, n, d) -> bool:
+def _reads_as_vector(shape, n, d, other_rank: int) -> bool:
+    """An undeclared stream x[i] is read as (*rows, N) whenever its shape allows, and as
+    (*rows, N, D) only when it must: when (*rows, N) is impossible, or when reading it so
+    would give it more row axes than any declared or parameter input has (attention's
+    v (H, 1, N, D) with N == D next to q (H, L, D))."""
     as_vector = len(shape) >= 2 and shape[-2] == n and (d is None or shape[-1] == d)
     as_scalar = len(shape) >= 1 and shape[-1] == n
-    if as_vector and as_scalar and d is not None:
-        raise ValueError(f"input '{name}' of shape {tuple(shape)} reads both as (*rows, N) "
-                         f"and as (*rows, N, D) with N = {n}, D = {d}; write {name}[i, :] in "
-                         "the spec if it carries the feature axis")
-    return as_vector and not as_scalar
+    if as_vector and as_scalar:
+        return other_rank > 0 and len(shape) - 1 > other_rank >= len(shape) - 2
+    return as_vector
 
 
 def to_user(cascade: Cascade, layout: Layout, values: dict[str, np.ndarray]) -> dict:
     """Internal (*rows, L, F) results -> the documented output shapes, in spec order.
 
-    (*rows,) for scalars, (*rows, D) for feature vectors, (*rows, k) for top-k, and
-    (*rows, N[, D]) for per-element outputs.
+    (*rows,) for scalars, (*rows, D) for feature vectors (also when D = 1), (*rows, k) for
+    top-k, and (*rows, N[, D]) for per-element outputs.
     """
+    vector = vector_results(cascade, layout.vector)
     out = {}
     for name in cascade.outputs:
         v = np.asarray(values[name])
+        if v.ndim < 2:  # a constant result (m - m): one value for every row
+            v = v.reshape((1, 1))
         shape = cascade.shapes.get(name)
-        full = layout.rows + v.shape[-2:]
-        v = np.broadcast_to(v, np.broadcast_shapes(full, v.shape))
-        vector = layout.d is not None and v.shape[-1] == layout.d and not (
-            shape is not None and shape.vec is False) and (layout.d > 1 or _reads_vector(
-                cascade, name))
-        per_element = name in cascade.elementwise
+        v = np.broadcast_to(v, np.broadcast_shapes(layout.rows + v.shape[-2:], v.shape))
         if shape is not None and shape.k:
             v = v[..., :, 0]
-        elif per_element:
-            v = v if vector else v[..., 0]
+        elif name in cascade.elementwise:
+            v = v if name in vector else v[..., 0]
         else:
-            v = v[..., 0, :] if vector else v[..., 0, 0]
-        out[name] = np.ascontiguousarray(v)
+            v = v[..., 0, :] if name in vector else v[..., 0, 0]
+        out[name] = np.array(v) if not v.flags.writeable or not v.flags.c_contiguous else v
     return out
 
 
-def _reads_vector(cascade: Cascade, name: str) -> bool:
-    expr = cascade.elementwise.get(name, cascade.epilogues.get(name))
-    if expr is None:
-        expr = next(r.body for r in cascade.reductions if r.name == name)
-    return any(s.name in cascade.vector_inputs for s in expr.free_symbols)
+def vector_results(cascade: Cascade, vector_inputs) -> set[str]:
+    """Names of results and per-element outputs that carry the feature axis."""
+    vec = set(vector_inputs)
+    for r in cascade.reductions:
+        if carries_feature_axis(r.body, vec) and not cascade.shapes[r.name].k:
+            vec.add(r.name)
+        for name, expr in cascade.epilogues.items():
+            if carries_feature_axis(expr, vec):
+                vec.add(name)
+    vec |= {n for n, e in cascade.elementwise.items() if carries_feature_axis(e, vec)}
+    return vec

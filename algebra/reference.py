@@ -2,8 +2,9 @@
 
 It shares only the parser and the expression compiler with the fused path, never
 the derivation, so tests that compare ``evaluate`` with it test the algebra.
-Semantics: numpy's (NaN propagates through max/sum; argmax/argmin and top-k
-ties go to the lower index; top-k values descending).
+Semantics: numpy's (NaN propagates through max/sum; argmax/argmin return the first
+extreme element, the first NaN if there is one; top-k values descending, ties to the
+lower index, NaN ranked first like argmax).
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ F64 = np.dtype(np.float64)
 def _reduce(op: str, v: np.ndarray, k: int | None) -> np.ndarray:
     if op in ("sum", "prod", "max", "min"):
         return getattr(np, op)(v, axis=-2, keepdims=True)
-    if op in ("argmax", "argmin"):
+    if op in ("argmax", "argmin"):  # the first extreme element; the first NaN if any
         return getattr(np, op)(v, axis=-2, keepdims=True).astype(np.int64)
-    order = np.argsort(-v, axis=-2, kind="stable")[..., :k, :]  # ties: lower index first
-    return np.take_along_axis(v, order, axis=-2) if op == "topk" else order.astype(np.int64)
+    # top-k: descending, ties to the lower index, NaN first (NaN wins, as in argmax)
+    index = np.broadcast_to(np.arange(v.shape[-2]).reshape(-1, 1), v.shape)
+    order = np.argsort(-v, axis=-2, kind="stable")
+    nan_first = np.argsort(~np.isnan(np.take_along_axis(v, order, axis=-2)), axis=-2,
+                           kind="stable")
+    order = np.take_along_axis(order, nan_first, axis=-2)[..., :k, :]
+    return np.take_along_axis(v, order, axis=-2) if op == "topk" else \
+        np.take_along_axis(index, order, axis=-2).astype(np.int64)
 
 
 def reference(spec: str | Cascade, inputs: dict) -> dict[str, np.ndarray]:

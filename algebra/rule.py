@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import sympy as sp
 
-from .components import COUNT, Component, StateVar, primed
+from .components import COUNT, Component, LinearComponent, StateVar, primed
 from .numeric import compile_expr
 from .prove import Obligation
 from .spec import INDEX, Cascade
@@ -133,11 +133,15 @@ class FusionRule:
             self._cache[key] = build()
         return self._cache[key]
 
-    def _anchors(self, comp, state, params, dt) -> dict[str, np.ndarray]:
-        """The component's anchors at this state (plus the parameters its matrix reads)."""
+    def _anchors(self, comp, state, params, dt, working: bool = True) -> dict[str, np.ndarray]:
+        """The component's anchors at this state (plus the parameters its matrix reads);
+        ``working``: non-finite values replaced by 0 (see ``algebra.components``)."""
         fns = self._running_fns()
         env = {**params, **state}
-        return {**params, **{a.name: fns[a.name](env, dt) for a in comp.anchors}}
+        values = {a.name: np.asarray(fns[a.name](env, dt)) for a in comp.anchors}
+        if working:
+            values = {k: np.where(np.isfinite(v), v, dt.type(0)) for k, v in values.items()}
+        return {**params, **values}
 
     def init(self, rows: tuple, dtype) -> dict[str, np.ndarray]:
         dt = np.dtype(dtype)
@@ -170,9 +174,15 @@ class FusionRule:
         return out
 
     def finalize(self, state: dict, params: dict) -> dict[str, np.ndarray]:
-        """Every named result (reductions and epilogues) from a complete state."""
+        """Every named result (reductions and epilogues) from a complete state: each
+        re-anchored sum first settles at the true final anchors, in dependence order."""
         dt = _dtype_of(state)
-        env = {**params, **state}
+        final = dict(state)
+        for comp in self.components:
+            if isinstance(comp, LinearComponent) and comp.anchors:
+                comp.settle(final, self._anchors(comp, state, params, dt),
+                            self._anchors(comp, final, params, dt, working=False), dt)
+        env = {**params, **final}
         return {k: f(env, dt) for k, f in self._running_fns().items()}
 
     def evaluate(self, inputs: dict, chunks=None, tree=None) -> dict[str, np.ndarray]:

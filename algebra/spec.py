@@ -121,15 +121,33 @@ class _Lifter:
         self.outputs: list[str] = []
         self.shapes: dict[str, Shape] = {}
         self.in_body: ast.AST | None = None  # the reduction call whose body is being lifted
+        self.read: set[str] = set()  # assigned names read by a later statement
         self.target = ""
 
     def run(self) -> Cascade:
         for stmt in self.tree.body:
             self.statement(stmt)
+        self.check()
         streams = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "stream")
         params = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "param")
         return Cascade(self.text, streams, params, frozenset(self.vector), tuple(self.reductions),
                        self.epilogues, self.elementwise, tuple(self.outputs), self.shapes)
+
+    def check(self):
+        """Whole-spec checks, once every feature axis is known."""
+        if not self.reductions:
+            raise SpecError("the spec has no reduction (sum, max, min, prod, argmax, argmin, "
+                            "topk, argtopk)", 1, 1)
+        for name, stmt in self.assigned.items():
+            if name not in self.outputs and name not in self.read:
+                _fail(stmt, f"'{name}' is computed but never used: write {name}[i] = ... for "
+                            "a per-element output, or use it in a reduction")
+        for r in self.reductions:
+            law = LAWS[r.op]
+            if (law.takes_k or law.returns == "index") and carries_feature_axis(r.body,
+                                                                                self.vector):
+                raise SpecError(f"{r.op}() needs a scalar per element, but its body reads "
+                                "a feature-axis vector", r.line, r.col)
 
     # Step 1. Statements -------------------------------------------------------------
     def statement(self, stmt: ast.stmt):
@@ -148,6 +166,8 @@ class _Lifter:
             return
         val = self.expr(value)
         streamed = bool(val.expr.free_symbols & (self._streams() | {POSITION}))
+        if streamed and val.shape.k:
+            _fail(value, "shape mismatch: top-k values combined with a per-element value")
         if per_element:
             self.elementwise[name] = val.expr
             self.outputs.append(name)
@@ -222,7 +242,7 @@ class _Lifter:
         if fn is None:
             _fail(node, f"unsupported operator in {ast.unparse(node)!r}")
         value = fn(a.expr, b.expr)
-        if value.has(sp.zoo, sp.nan, sp.I):
+        if _undefined(value):
             _fail(node, f"'{ast.unparse(node)}' is undefined (division by zero or a complex "
                         "value)")
         return _Val(value, a.shape.join(b.shape, node), a.reduces or b.reduces)
@@ -264,7 +284,7 @@ class _Lifter:
         for a in args[1:]:
             shape = shape.join(a.shape, node)
         value = fn.build(*(a.expr for a in args))
-        if value.has(sp.zoo, sp.nan, sp.I):
+        if _undefined(value):
             _fail(node, f"'{ast.unparse(node)}' is undefined (a complex or infinite value)")
         return _Val(value, shape, any(a.reduces for a in args))
 
@@ -286,8 +306,10 @@ class _Lifter:
         if name in CONSTANTS:
             return _Val(CONSTANTS[name], Shape())
         if name in self.elementwise:
+            self.read.add(name)
             return _Val(self.elementwise[name], Shape(None))
         if name in self.defined:
+            self.read.add(name)
             return self.defined[name]
         if name in self.assigned:
             later = self.assigned[name]
@@ -320,6 +342,22 @@ class _Lifter:
             n += 1
             name = f"{base}{n}"
         return name
+
+
+def _undefined(value: sp.Expr) -> bool:
+    """Division by zero, or a constant that is not real (pow(-1, 1/3), log(-1))."""
+    if value.has(sp.zoo, sp.nan, sp.I):
+        return True
+    return any(n.is_number and n.is_extended_real is False for n in sp.preorder_traversal(value))
+
+
+def carries_feature_axis(expr: sp.Expr, vector: set[str] | frozenset[str]) -> bool:
+    """Does ``expr`` read a feature-axis vector (outside a dot product, which collapses it)?"""
+    if type(expr).__name__ == "Dot":
+        return False
+    if expr.is_Symbol:
+        return expr.name in vector
+    return any(carries_feature_axis(a, vector) for a in expr.args)
 
 
 def _target_name(stmt: ast.stmt) -> str:
@@ -368,14 +406,15 @@ def parse(text: str) -> Cascade:
     """
     if not isinstance(text, str):
         raise SpecError(f"a spec is a string, not {type(text).__name__}")
+    for pos, ch in enumerate(text):
+        if ch == "\0" or 0xD800 <= ord(ch) <= 0xDFFF:  # NUL or a lone surrogate
+            line = text.count("\n", 0, pos) + 1
+            col = pos - (text.rfind("\n", 0, pos) + 1) + 1
+            raise SpecError(f"unreadable character {ch!r}", line, col)
     try:
         tree = ast.parse(text, mode="exec")
     except SyntaxError as e:
-        raise SpecError(f"syntax error: {e.msg}", e.lineno, e.offset) from None
+        raise SpecError(f"syntax error: {e.msg}", e.lineno or 1, e.offset or 1) from None
     if not tree.body:
         raise SpecError("empty spec: write at least one reduction, e.g. 'm = max(x[i])'", 1, 1)
-    cascade = _Lifter(text, tree).run()
-    if not cascade.reductions:
-        raise SpecError("the spec has no reduction (sum, max, min, prod, argmax, argmin, "
-                        "topk, argtopk)", 1, 1)
-    return cascade
+    return _Lifter(text, tree).run()

@@ -85,6 +85,12 @@ def isnan(x):
     return bits > _i(0x7F800000)
 
 
+def isfinite(x):
+    """Not inf and not NaN, on the bits (exponent not all ones); vectorizes (see isnan)."""
+    bits = tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7F800000))
+    return bits != _i(0x7F800000)
+
+
 def _horner(x, coeffs):
     acc = _f(coeffs[0])
     for c in coeffs[1:]:

@@ -24,7 +24,7 @@ from algebra.spec import INDEX, LENGTH
 
 from .analysis import Geometry
 from .plan import Plan
-from .fastmath import isnan, statement_lets
+from .fastmath import isfinite, isnan, statement_lets
 from .texpr import const, to_tir
 from .tvm_adapter import LEAVES, T, tirx
 
@@ -137,9 +137,14 @@ class Emitter:
         vals = {n: st.get(n, lane, slot) for n in st.bufs}
         return self.base_lookup(r, None, slot, {**vals, **(extra or {})})
 
-    def anchors_at(self, st, lane, r, names):
-        return {a: T.bind(self.expr(self.rule.running[a], self.state_lookup(st, lane, r)))
-                for a in names}
+    def anchors_at(self, st, lane, r, names, working: bool = True):
+        """Running anchor values at this state, bound once; ``working``: a non-finite value
+        is replaced by 0 (states are kept at finite working anchors, see algebra.components)."""
+        out = {}
+        for a in names:
+            value = T.bind(self.expr(self.rule.running[a], self.state_lookup(st, lane, r)))
+            out[a] = T.bind(tirx.Select(isfinite(value), value, const(0))) if working else value
+        return out
 
     # Step 2. One element ------------------------------------------------------------
     def dots(self, r, i):
@@ -237,7 +242,7 @@ class Emitter:
             for c, v in values.items():
                 st.set(c, lane_out, v, slot)
 
-    def _reanchor(self, st, comp, lane, a_old, count, a_new, r, slot):
+    def _reanchor(self, st, comp, lane, a_old, count, a_new, r, slot, ieee=False):
         names = [c.name for c in comp.columns]
         look = self.state_lookup(st, lane, r, slot, {
             **{a.name: a_old[a.name] for a in comp.anchors},
@@ -251,7 +256,8 @@ class Emitter:
                 if entry == 0:
                     continue
                 s = count if col == COUNT.name else st.get(col, lane, slot)
-                term = s if entry == 1 else _mul0(self.expr(entry, look), s)
+                factor = self.expr(entry, look) if entry != 1 else None
+                term = s if factor is None else (factor * s if ieee else _mul0(factor, s))
                 moved = term if moved is None else moved + term
             keep = st.get(name, lane, slot)
             out.append(moved if same is None else tirx.Select(same, keep, moved))
@@ -259,22 +265,30 @@ class Emitter:
 
     # Step 3. Selections -------------------------------------------------------------
     def _better(self, comp, v, j, sv, sj):
-        """(v, j) ranks before (sv, sj): better value, then lower index; an empty slot
-        (index sentinel) takes anything, so NaN rows fill slots in index order as numpy."""
+        """(v, j) ranks before (sv, sj): NaN first (NaN wins a selection, as np.max and
+        np.argmax), then the better value, then the lower index; an empty slot (index
+        sentinel) takes anything.  The same order as algebra.components.rank_order."""
         gt = (v > sv) if comp.direction > 0 else (v < sv)
-        if j is None:  # values only: a NaN may take a slot still at the identity (+-inf)
-            ident = const(float(comp.state[0].init))
-            return tirx.Or(gt, tirx.And(isnan(v), sv == ident))
+        nan_v, nan_s = isnan(v), isnan(sv)
+        if j is None:
+            return tirx.Or(tirx.And(nan_v, tirx.Not(nan_s)), gt)
+        lower = j < sj
         empty = sj == tirx.const(INDEX_SENTINEL, I64)
-        return tirx.Or(tirx.Or(gt, tirx.And(v == sv, j < sj)), empty)
+        by_nan = tirx.And(nan_v, tirx.Or(tirx.Not(nan_s), lower))
+        by_value = tirx.And(tirx.Not(nan_s), tirx.Or(gt, tirx.And(v == sv, lower)))
+        return tirx.Or(empty, tirx.Or(by_nan, by_value))
+
+    def _best(self, comp, a, b):
+        """max (or min) that propagates NaN like np.maximum (LLVM's maxnum would drop it)."""
+        a, b = (v if isinstance(v, LEAVES) else T.bind(v) for v in (a, b))
+        return tirx.Select(self._better(comp, b, None, a, None), b, a)
 
     def _select_insert(self, st, comp, lane, v, j):
         vname = comp.state[0].symbol.name
         jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
         if comp.k == 1 and jname is None:
-            best = tirx.max if comp.direction > 0 else tirx.min
             with self._slots(st.widths[vname]) as slot:
-                st.set(vname, lane, best(st.get(vname, lane, slot), v), slot)
+                st.set(vname, lane, self._best(comp, st.get(vname, lane, slot), v), slot)
             return
         if comp.k == 1:
             sv, sj = T.bind(st.get(vname, lane)), T.bind(st.get(jname, lane))
@@ -315,10 +329,9 @@ class Emitter:
                 vname = comp.state[0].symbol.name
                 jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
                 if comp.k == 1 and jname is None:
-                    best = tirx.max if comp.direction > 0 else tirx.min
                     with self._slots(st.widths[vname]) as slot:
-                        st.set(vname, a, best(st.get(vname, a, slot), st.get(vname, b, slot)),
-                               slot)
+                        st.set(vname, a, self._best(comp, st.get(vname, a, slot),
+                                                    st.get(vname, b, slot)), slot)
                 else:
                     with T.serial(0, comp.k) as t:
                         self._select_insert(st, comp, a, st.get(vname, b, t),
@@ -328,8 +341,27 @@ class Emitter:
                 with self._slots(st.widths[name]) as slot:
                     st.set(name, a, st.get(name, a, slot) * st.get(name, b, slot), slot)
 
+    def settle(self, st: States, r):
+        """Move each re-anchored state of lane 0 from its working anchors to the true final
+        ones (IEEE products: inf * 0 = NaN where the multi-pass reference has NaN)."""
+        comps = [c for c in self.rule.components
+                 if isinstance(c, LinearComponent) and c.anchors]
+        work = {id(c): self.anchors_at(st, 0, r, [a.name for a in c.anchors]) for c in comps}
+        count = self._count(st, 0)
+        for comp in comps:
+            true = self.anchors_at(st, 0, r, [a.name for a in comp.anchors], working=False)
+            cols = [c.name for c in comp.columns]
+            with self._slots(max(st.widths.get(c, 1) for c in cols)) as slot:
+                moved = self._reanchor(st, comp, 0, work[id(comp)], count, true, r, slot,
+                                       ieee=True)
+                values = {c: T.bind(v) for c, v in zip(cols, moved, strict=True)
+                          if c != COUNT.name}
+                for c, v in values.items():
+                    st.set(c, 0, v, slot)
+
     def finalize(self, st: States, r, results: dict):
         """Every result of the rule into its per-row buffer (name -> (buffer, width))."""
+        self.settle(st, r)
         for name, expr in self.rule.running.items():
             if name not in results:
                 continue

@@ -42,11 +42,16 @@ def test_wrong_stream_length_and_row_mismatch():
         rule.evaluate({"x": np.ones((2, 4)), "v": np.ones((3, 4))})
 
 
-def test_ambiguous_feature_axis_asks_for_a_declaration():
+def test_undeclared_stream_reads_scalar_unless_rows_say_otherwise():
+    # x (3, 3) with w[i, :] (3, 3): x is (*rows, N) as documented, not an (N, D) matrix
+    out = redfuser.derive("rmsnorm_gemm").evaluate(
+        {"x": np.ones((3, 3)), "w": np.ones((3, 3)), "eps": 0.0})
+    assert out["y"].shape == (3, 3) and out["r"].shape == (3,)
+    # v (1, 4, 4) next to q (1, 4) and k (1, 4, 4) with N == D == 4: read as (*rows, N, D),
+    # since reading it as (*rows, N) would give it more row axes than q has
     rule = redfuser.derive("s = dot(q, k[i]); m = max(s); o = sum(exp(s - m) * v[i])")
-    k = np.ones((1, 4, 4))
-    with pytest.raises(ValueError, match=r"write v\[i, :\]"):
-        rule.evaluate({"q": np.ones((1, 4)), "k": k, "v": np.ones((1, 4, 4))})
+    out = rule.evaluate({"q": np.ones((1, 4)), "k": np.ones((1, 4, 4)), "v": np.ones((1, 4, 4))})
+    assert out["o"].shape == (1, 4)
 
 
 def test_topk_larger_than_the_stream():
