@@ -125,24 +125,30 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
             continue
         inputs = w.make(rng, scale)
         fused, unfused = (redfuser.compile(w.spec, variant=v) for v in (None, "unfused"))
-        row = {"workload": w.name}
-        row["fused"] = median_ms(lambda f=fused: f(**inputs), repeat)
+        row = {"workload": w.name, **_time_all(w, inputs, fused, unfused, torch, repeat,
+                                                with_compile)}
         row["plan"] = str(fused.plan)
-        row["unfused"] = median_ms(lambda f=unfused: f(**inputs), repeat)
-        row["numpy"] = median_ms(lambda: w.numpy(inputs), repeat)
-        src = inputs[w.copy_of]
-        row["copy"] = median_ms(lambda: src.copy(), repeat)
-        if torch is not None and w.torch is not None:
-            tin = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-                   for k, v in inputs.items()}
-            with torch.no_grad():
-                row["torch"] = median_ms(lambda: w.torch(tin), repeat)
-                if with_compile:
-                    compiled = torch.compile(w.torch)
-                    row["torch.compile"] = median_ms(lambda c=compiled: c(tin), repeat)
         rows.append(row)
         print(_line(row), flush=True)
     return rows
+
+
+def _time_all(w: Workload, inputs: dict, fused, unfused, torch, repeat: int,
+              with_compile: bool) -> dict:
+    src = inputs[w.copy_of]
+    row = {"fused": median_ms(lambda: fused(**inputs), repeat),
+           "unfused": median_ms(lambda: unfused(**inputs), repeat),
+           "numpy": median_ms(lambda: w.numpy(inputs), repeat),
+           "copy": median_ms(src.copy, repeat)}
+    if torch is not None and w.torch is not None:
+        tin = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+               for k, v in inputs.items()}
+        with torch.no_grad():
+            row["torch"] = median_ms(lambda: w.torch(tin), repeat)
+            if with_compile:
+                compiled = torch.compile(w.torch)
+                row["torch.compile"] = median_ms(lambda: compiled(tin), repeat)
+    return row
 
 
 COLUMNS = ("fused", "unfused", "numpy", "torch", "torch.compile", "copy")

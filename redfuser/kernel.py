@@ -20,8 +20,16 @@ from algebra.rule import FusionRule
 
 from .analysis import Geometry, geometry
 from .plan import Plan, choose
-from .tvm_adapter import (build, cpu_target, cuda_source, cuda_target, device, empty_aligned,
-                          from_numpy, time_ms)
+from .tvm_adapter import (
+    build,
+    cpu_target,
+    cuda_source,
+    cuda_target,
+    device,
+    empty_aligned,
+    from_numpy,
+    time_ms,
+)
 from .variants import build_primfunc, result_dtype
 
 TARGETS = {"cpu": cpu_target, "cuda": cuda_target}

@@ -23,8 +23,8 @@ from algebra.rule import FusionRule
 from algebra.spec import INDEX, LENGTH
 
 from .analysis import Geometry
-from .plan import Plan
 from .fastmath import isfinite, isnan, statement_lets
+from .plan import Plan
 from .texpr import const, to_tir
 from .tvm_adapter import LEAVES, T, tirx
 
@@ -59,6 +59,7 @@ class States:
             self.bufs[name] = T.alloc_buffer((lanes, width), dtype, scope=scope)
             self.widths[name], self.kinds[name] = width, kind
         self.inits = {s.symbol.name: s.init for s in rule.state}
+        self.lanes = lanes
 
     def get(self, name, lane, slot=0):
         return self.bufs[name][lane, slot if self.widths[name] > 1 else 0]
@@ -143,7 +144,12 @@ class Emitter:
         out = {}
         for a in names:
             value = T.bind(self.expr(self.rule.running[a], self.state_lookup(st, lane, r)))
-            out[a] = T.bind(tirx.Select(isfinite(value), value, const(0))) if working else value
+            if working:  # through a register: TVM's simplifier would otherwise re-expand the
+                # guarded value into every later expression and blow up on deep cascades
+                reg = T.alloc_buffer((st.lanes,), F32, scope="local")
+                T.buffer_store(reg, tirx.Select(isfinite(value), value, const(0)), [lane])
+                value = T.bind(reg[lane])
+            out[a] = value
         return out
 
     # Step 2. One element ------------------------------------------------------------

@@ -24,8 +24,9 @@ from tvm.script.ir_builder import tirx as T  # noqa: E402
 BufferLoadNode = type(tirx.decl_buffer((1,), "float32")[0])
 LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
-__all__ = ["ALIGNMENT", "LEAVES", "arg_buffer", "structural_equal", "time_ms", "IRBuilder", "T", "tirx", "build", "cpu_target", "cuda_target", "device",
-           "from_numpy", "empty_aligned", "default_threads", "cuda_source", "nvcc_compile"]
+__all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "arg_buffer", "build", "cpu_target",
+           "cuda_source", "cuda_target", "default_threads", "device", "empty_aligned",
+           "from_numpy", "nvcc_compile", "structural_equal", "time_ms", "tirx"]
 
 
 def default_threads() -> int:
