@@ -91,6 +91,14 @@ def isfinite(x):
     return bits != _i(0x7F800000)
 
 
+def finite_or_zero(x):
+    """x where finite, else +0.0, by masking the bits.  No Select: TVM's simplifier expands a
+    let-bound Select into every later use and blows up on deep cascades."""
+    bits = tirx.reinterpret("int32", x)
+    finite = tirx.Cast("int32", isfinite(x))
+    return tirx.reinterpret("float32", tirx.bitwise_and(bits, _i(0) - finite))
+
+
 def _horner(x, coeffs):
     acc = _f(coeffs[0])
     for c in coeffs[1:]:

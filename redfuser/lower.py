@@ -23,7 +23,7 @@ from algebra.rule import FusionRule
 from algebra.spec import INDEX, LENGTH
 
 from .analysis import Geometry
-from .fastmath import isfinite, isnan, statement_lets
+from .fastmath import finite_or_zero, isnan, statement_lets
 from .plan import Plan
 from .texpr import const, to_tir
 from .tvm_adapter import LEAVES, T, tirx
@@ -144,11 +144,8 @@ class Emitter:
         out = {}
         for a in names:
             value = T.bind(self.expr(self.rule.running[a], self.state_lookup(st, lane, r)))
-            if working:  # through a register: TVM's simplifier would otherwise re-expand the
-                # guarded value into every later expression and blow up on deep cascades
-                reg = T.alloc_buffer((st.lanes,), F32, scope="local")
-                T.buffer_store(reg, tirx.Select(isfinite(value), value, const(0)), [lane])
-                value = T.bind(reg[lane])
+            if working:
+                value = T.bind(finite_or_zero(value))
             out[a] = value
         return out
 
