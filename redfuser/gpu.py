@@ -12,6 +12,7 @@ import dataclasses
 
 from .lower import Emitter, States
 from .tvm_adapter import T, tirx
+from .variants import copy_state, workspace
 
 SHARED_BYTES = 48 * 1024  # static shared memory available to a block without opt-in
 
@@ -98,8 +99,7 @@ def cuda_rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
 def cuda_split(rule, geo, plan, bufs, results, elementwise):
     em = Emitter(rule, geo, plan, bufs, results)
     s, chunk = plan.splits, -(-geo.n // plan.splits)
-    work = {name: (T.alloc_buffer((geo.r * s, w), "int64" if k.startswith("ind") else
-                                  "float32"), w) for name, w, k in _state_shapes(rule, geo)}
+    work = workspace(rule, geo, geo.r * s)
     with T.launch_thread("blockIdx.x", geo.r * s) as rs:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
             r, start = tirx.floordiv(rs, s), tirx.floormod(rs, s) * chunk
@@ -108,13 +108,13 @@ def cuda_split(rule, geo, plan, bufs, results, elementwise):
                          lambda own: _fold(em, own, t, r, start, length, plan.threads))
             with T.If(t == 0):
                 with T.Then():
-                    _copy(st, work, 0, rs, True)
+                    copy_state(st, work, 0, rs, True)
     with T.launch_thread("blockIdx.x", geo.r) as r:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
             def load(own):  # plan: splits <= threads, one piece per thread
                 with T.If(t < s):
                     with T.Then():
-                        _copy(own, work, 0, r * s + t, False)
+                        copy_state(own, work, 0, r * s + t, False)
 
             st = _gather(em, t, r, plan.threads, load)
             with T.If(t == 0):
@@ -122,23 +122,6 @@ def cuda_split(rule, geo, plan, bufs, results, elementwise):
                     em.finalize(st, r, results)
             _sync()
             em.elementwise(r, elementwise, t, plan.threads)
-
-
-def _state_shapes(rule, geo):
-    from .lower import rule_k
-
-    for s in rule.state:
-        w = rule_k(rule, s.symbol.name) if s.kind.endswith("_k") else geo.width(s.symbol.name)
-        yield s.symbol.name, w, s.kind
-
-
-def _copy(st, work, lane, row, to_work):
-    for name, (buf, width) in work.items():
-        with T.serial(0, width) as w:
-            if to_work:
-                T.buffer_store(buf, st.bufs[name][lane, w], [row, w])
-            else:
-                T.buffer_store(st.bufs[name], buf[row, w], [lane, w])
 
 
 def cuda_unfused(rule, geo, plan, bufs, results, elementwise):

@@ -117,12 +117,7 @@ def _rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
 def _split(rule, geo, plan, bufs, results, elementwise):
     em = Emitter(rule, geo, plan, bufs, results)
     s, chunk = plan.splits, -(-geo.n // plan.splits)
-    work = {}
-    proto = {st.symbol.name: st for st in rule.state}
-    for name in proto:
-        width = rule_k(rule, name) if proto[name].kind.endswith("_k") else geo.width(name)
-        dtype = I64 if proto[name].kind.startswith("ind") else F32
-        work[name] = (T.alloc_buffer((geo.r * s, width), dtype), width)
+    work = workspace(rule, geo, geo.r * s)
     with T.parallel(0, geo.r * s) as rs:
         r, piece = tirx.floordiv(rs, s), tirx.floormod(rs, s)
         st = States(rule, geo, 2 * plan.lanes)
@@ -131,18 +126,30 @@ def _split(rule, geo, plan, bufs, results, elementwise):
         start = piece * chunk
         length = tirx.max(tirx.min(tirx.const(geo.n, I64) - start, chunk), 0)
         _fold(em, st, r, start, length, plan.lanes, plan.tile)
-        _copy(st, work, 0, rs, to_work=True)
+        copy_state(st, work, 0, rs, to_work=True)
     with T.parallel(0, geo.r) as r:
         st = States(rule, geo, 2)
-        _copy(st, work, 0, r * s, to_work=False)
+        copy_state(st, work, 0, r * s, to_work=False)
         with T.serial(1, s) as piece:
-            _copy(st, work, 1, r * s + piece, to_work=False)
+            copy_state(st, work, 1, r * s + piece, to_work=False)
             em.merge(st, 0, 1, r)
         em.finalize(st, r, results)
         em.elementwise(r, elementwise)
 
 
-def _copy(st: States, work: dict, lane, row, to_work: bool):
+def workspace(rule: FusionRule, geo: Geometry, rows: int) -> dict:
+    """Global buffers holding one complete state per row piece: name -> (buffer, width)."""
+    work = {}
+    for st in rule.state:
+        name = st.symbol.name
+        width = rule_k(rule, name) if st.kind.endswith("_k") else geo.width(name)
+        dtype = I64 if st.kind.startswith("ind") else F32
+        work[name] = (T.alloc_buffer((rows, width), dtype), width)
+    return work
+
+
+def copy_state(st: States, work: dict, lane, row, to_work: bool):
+    """Lane ``lane`` of ``st`` to (or from) row ``row`` of a workspace."""
     for name, (buf, width) in work.items():
         with T.serial(0, width) as w:
             if to_work:
