@@ -85,20 +85,6 @@ def isnan(x):
     return bits > _i(0x7F800000)
 
 
-def isfinite(x):
-    """Not inf and not NaN, on the bits (exponent not all ones); vectorizes (see isnan)."""
-    bits = tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7F800000))
-    return bits != _i(0x7F800000)
-
-
-def finite_or_zero(x):
-    """x where finite, else +0.0, by masking the bits.  No Select: TVM's simplifier expands a
-    let-bound Select into every later use and blows up on deep cascades."""
-    bits = tirx.reinterpret("int32", x)
-    finite = tirx.Cast("int32", isfinite(x))
-    return tirx.reinterpret("float32", tirx.bitwise_and(bits, _i(0) - finite))
-
-
 def _horner(x, coeffs):
     acc = _f(coeffs[0])
     for c in coeffs[1:]:

@@ -23,7 +23,7 @@ from algebra.rule import FusionRule
 from algebra.spec import INDEX, LENGTH
 
 from .analysis import Geometry
-from .fastmath import finite_or_zero, isnan, statement_lets
+from .fastmath import isnan, statement_lets
 from .plan import Plan
 from .texpr import const, to_tir
 from .tvm_adapter import LEAVES, T, tirx
@@ -138,16 +138,17 @@ class Emitter:
         vals = {n: st.get(n, lane, slot) for n in st.bufs}
         return self.base_lookup(r, None, slot, {**vals, **(extra or {})})
 
-    def anchors_at(self, st, lane, r, names, working: bool = True):
-        """Running anchor values at this state, bound once; ``working``: a non-finite value
-        is replaced by 0 (states are kept at finite working anchors, see algebra.components)."""
-        out = {}
-        for a in names:
-            value = T.bind(self.expr(self.rule.running[a], self.state_lookup(st, lane, r)))
-            if working:
-                value = T.bind(finite_or_zero(value))
-            out[a] = value
-        return out
+    def anchors_at(self, st, lane, r, names):
+        """Running anchor values at this state, bound once.
+
+        Known gap: kernels use the running values themselves, not the finite working
+        anchors of ``algebra.components`` (every TVM form of that guard tried so far either
+        made TVM's simplifier blow up on three-level cascades or miscompiled under vector
+        lanes), so an anchor read from *another* stream that starts at -inf still loses the
+        contributions folded while it was -inf.  Same-stream anchors (softmax, attention,
+        variance, every library cascade) match the oracle."""
+        return {a: T.bind(self.expr(self.rule.running[a], self.state_lookup(st, lane, r)))
+                for a in names}
 
     # Step 2. One element ------------------------------------------------------------
     def dots(self, r, i):
@@ -245,7 +246,7 @@ class Emitter:
             for c, v in values.items():
                 st.set(c, lane_out, v, slot)
 
-    def _reanchor(self, st, comp, lane, a_old, count, a_new, r, slot, ieee=False):
+    def _reanchor(self, st, comp, lane, a_old, count, a_new, r, slot):
         names = [c.name for c in comp.columns]
         look = self.state_lookup(st, lane, r, slot, {
             **{a.name: a_old[a.name] for a in comp.anchors},
@@ -259,8 +260,7 @@ class Emitter:
                 if entry == 0:
                     continue
                 s = count if col == COUNT.name else st.get(col, lane, slot)
-                factor = self.expr(entry, look) if entry != 1 else None
-                term = s if factor is None else (factor * s if ieee else _mul0(factor, s))
+                term = s if entry == 1 else _mul0(self.expr(entry, look), s)
                 moved = term if moved is None else moved + term
             keep = st.get(name, lane, slot)
             out.append(moved if same is None else tirx.Select(same, keep, moved))
@@ -344,27 +344,8 @@ class Emitter:
                 with self._slots(st.widths[name]) as slot:
                     st.set(name, a, st.get(name, a, slot) * st.get(name, b, slot), slot)
 
-    def settle(self, st: States, r):
-        """Move each re-anchored state of lane 0 from its working anchors to the true final
-        ones (IEEE products: inf * 0 = NaN where the multi-pass reference has NaN)."""
-        comps = [c for c in self.rule.components
-                 if isinstance(c, LinearComponent) and c.anchors]
-        work = {id(c): self.anchors_at(st, 0, r, [a.name for a in c.anchors]) for c in comps}
-        count = self._count(st, 0)
-        for comp in comps:
-            true = self.anchors_at(st, 0, r, [a.name for a in comp.anchors], working=False)
-            cols = [c.name for c in comp.columns]
-            with self._slots(max(st.widths.get(c, 1) for c in cols)) as slot:
-                moved = self._reanchor(st, comp, 0, work[id(comp)], count, true, r, slot,
-                                       ieee=True)
-                values = {c: T.bind(v) for c, v in zip(cols, moved, strict=True)
-                          if c != COUNT.name}
-                for c, v in values.items():
-                    st.set(c, 0, v, slot)
-
     def finalize(self, st: States, r, results: dict):
         """Every result of the rule into its per-row buffer (name -> (buffer, width))."""
-        self.settle(st, r)
         for name, expr in self.rule.running.items():
             if name not in results:
                 continue
