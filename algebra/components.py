@@ -140,13 +140,39 @@ class LinearComponent(Component):
             if c != COUNT:
                 new[c.name] = moved[r] + basis[r](env, dt)
 
+    def _degrees(self) -> dict[tuple[int, int], int]:
+        """Degree of each matrix entry in the anchor shift t = a' - a (exp factors aside)."""
+        t = sp.Dummy("t")
+        shift = {primed(a): a + t for a in self.anchors}
+        out = {}
+        for r in range(len(self.columns)):
+            for k, v in enumerate(self.matrix.row(r)):
+                poly = v.subs(shift).replace(sp.exp, lambda *_: sp.S.One)
+                out[(r, k)] = sp.Poly(sp.expand(poly), t).degree() if v != 0 else -1
+        return out
+
     def settle(self, state: dict, a_work: dict, a_true: dict, dt):
         """Finalize: move the state from the working anchors it was kept at to the true final
-        anchors (they differ only where a true anchor is not finite)."""
-        moved = self._reanchor(state, a_work, a_true, dt, ieee=True)
+        anchors (they differ only where a true anchor is not finite).  IEEE products, so
+        exp(-inf - -inf) = NaN appears as in the reference; where the shift is infinite, the
+        highest power of it that meets a non-zero state dominates (sum((x - m)**2) at
+        m = -inf is +inf, not inf - inf)."""
+        entries, _ = self.compiled("prog", self._program)
+        degree = self.compiled("degree", self._degrees)
+        env = {**a_work, **{a.name + "'": a_true[a.name] for a in self.anchors}}
+        finite = np.all([np.isfinite(a_true[a.name]) for a in self.anchors], axis=0)
+        rows: dict[int, list] = {}
+        for r, k, entry in entries:
+            s_k = state[self.columns[k].name]
+            rows.setdefault(r, []).append((degree[(r, k)], np.asarray(entry(env, dt)) * s_k,
+                                           s_k != 0))
         for r, c in enumerate(self.columns):
-            if c != COUNT:
-                state[c.name] = moved[r]
+            if c == COUNT or r not in rows:
+                continue
+            full = sum(term for _, term, _ in rows[r])
+            top = np.max([np.where(nz, d, -1) for d, _, nz in rows[r]], axis=0)
+            limit = sum(np.where(nz & (d == top), term, 0) for d, term, nz in rows[r])
+            state[c.name] = np.where(finite | (top <= 0), full, limit)
 
     def merge(self, left, right, out, a_left, a_right, a_out, dt):
         from_l = self._reanchor(left, a_left, a_out, dt)
