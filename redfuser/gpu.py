@@ -82,18 +82,24 @@ def _fold(em, st, t, r, start, length, threads):
         em.update(st, 0, start + t + c * threads, r)
 
 
+def _finish_row(em, t, r, threads: int, results, elementwise, fold):
+    """One row's block: fold and merge the threads' states, thread 0 finalizes, then all
+    threads write their share of the per-element outputs."""
+    st = _gather(em, t, r, threads, fold)
+    with T.If(t == 0):
+        with T.Then():
+            em.finalize(st, r, results)
+    _sync()
+    em.elementwise(r, elementwise, t, threads)
+
+
 def cuda_rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
     em = Emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
     with T.launch_thread("blockIdx.x", geo.r) as r:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
             zero = tirx.const(0, "int32")
-            st = _gather(em, t, r, plan.threads,
-                         lambda own: _fold(em, own, t, r, zero, geo.n, plan.threads))
-            with T.If(t == 0):
-                with T.Then():
-                    em.finalize(st, r, results)
-            _sync()
-            em.elementwise(r, elementwise, t, plan.threads)
+            _finish_row(em, t, r, plan.threads, results, elementwise,
+                        lambda own: _fold(em, own, t, r, zero, geo.n, plan.threads))
 
 
 def cuda_split(rule, geo, plan, bufs, results, elementwise):
@@ -116,12 +122,7 @@ def cuda_split(rule, geo, plan, bufs, results, elementwise):
                     with T.Then():
                         copy_state(own, work, 0, r * s + t, False)
 
-            st = _gather(em, t, r, plan.threads, load)
-            with T.If(t == 0):
-                with T.Then():
-                    em.finalize(st, r, results)
-            _sync()
-            em.elementwise(r, elementwise, t, plan.threads)
+            _finish_row(em, t, r, plan.threads, results, elementwise, load)
 
 
 def cuda_unfused(rule, geo, plan, bufs, results, elementwise):

@@ -79,8 +79,7 @@ class Kernel:
         if self.target == "cuda" and not dev.exist:
             raise RuntimeError("no CUDA device here: use kernel.prepare(...) and "
                                "kernel.cuda_source() to inspect the generated code")
-        args = [from_numpy(layout.arrays[k].reshape(g.count, g.length, g.width), dev)
-                for k, g in sorted(geo.inputs.items())]
+        args = _input_tensors(layout, geo, dev)
         outs = self._outputs(geo)
         tensors = [from_numpy(o, dev) for o in outs.values()]
         executable[FUNC_NAME](*args, *tensors)
@@ -96,8 +95,7 @@ class Kernel:
         geo = geometry(self.rule, layout)
         _, executable, _ = self._compiled(geo)
         dev = device(TARGETS[self.target]())
-        args = [from_numpy(layout.arrays[k].reshape(g.count, g.length, g.width), dev)
-                for k, g in sorted(geo.inputs.items())]
+        args = _input_tensors(layout, geo, dev)
         args += [from_numpy(o, dev) for o in self._outputs(geo).values()]
         return time_ms(executable, FUNC_NAME, dev, args, repeat)
 
@@ -135,6 +133,12 @@ class Kernel:
         """Compile for the geometry of ``inputs`` without running (arrays may be dummies)."""
         self._compiled(geometry(self.rule, self._layout(inputs)))
         return self
+
+
+def _input_tensors(layout, geo: Geometry, dev) -> list:
+    """Inputs as (R_in, L, F) tensors in the kernel's argument order (sorted names)."""
+    return [from_numpy(layout.arrays[k].reshape(g.count, g.length, g.width), dev)
+            for k, g in sorted(geo.inputs.items())]
 
 
 def _canonical(rule, geo: Geometry, name: str, v: np.ndarray) -> np.ndarray:
