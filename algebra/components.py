@@ -140,7 +140,7 @@ class LinearComponent(Component):
             if c != COUNT:
                 new[c.name] = moved[r] + basis[r](env, dt)
 
-    def _degrees(self) -> dict[tuple[int, int], int]:
+    def shift_degrees(self) -> dict[tuple[int, int], int]:
         """Degree of each matrix entry in the anchor shift t = a' - a (exp factors aside)."""
         t = sp.Dummy("t")
         shift = {primed(a): a + t for a in self.anchors}
@@ -158,7 +158,7 @@ class LinearComponent(Component):
         highest power of it that meets a non-zero state dominates (sum((x - m)**2) at
         m = -inf is +inf, not inf - inf)."""
         entries, _ = self.compiled("prog", self._program)
-        degree = self.compiled("degree", self._degrees)
+        degree = self.compiled("degree", self.shift_degrees)
         env = {**a_work, **{a.name + "'": a_true[a.name] for a in self.anchors}}
         finite = np.all([np.isfinite(a_true[a.name]) for a in self.anchors], axis=0)
         rows: dict[int, list] = {}

@@ -85,6 +85,11 @@ def isnan(x):
     return bits > _i(0x7F800000)
 
 
+def isfinite(x):
+    """Finiteness on the bits (exponent not all ones), for the same reasons as ``isnan``."""
+    return tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7F800000)) != _i(0x7F800000)
+
+
 def _horner(x, coeffs):
     acc = _f(coeffs[0])
     for c in coeffs[1:]:

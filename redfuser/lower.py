@@ -7,9 +7,11 @@ derived merge, finalize, then the per-element outputs in a second pass.  The spl
 variant stores each piece's state in a workspace and merges the pieces; the
 unfused variant runs one such loop nest per reduction.
 
-The re-anchoring laws of ``algebra.components`` are kept: an unmoved anchor keeps
-the state (Select on equality, so -inf - -inf is never used) and a factor or state
-that is exactly 0 gives 0 (``_mul0``).
+The laws of ``algebra.components`` are kept: each re-anchored state is held at its
+*working* anchors (the running value where finite, else 0), kept in registers of their
+own next to the state, and settled to the true final anchors at finalize with IEEE
+arithmetic; an unmoved anchor keeps the state (Select on equality, so -inf - -inf is
+never used) and a factor or state that is exactly 0 gives 0 (``_mul0``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from algebra.rule import FusionRule
 from algebra.spec import INDEX, LENGTH
 
 from .analysis import Geometry
-from .fastmath import isnan, statement_lets
+from .fastmath import isfinite, isnan, statement_lets
 from .plan import Plan
 from .texpr import const, to_tir
 from .tvm_adapter import LEAVES, T, tirx
@@ -47,18 +49,39 @@ def _all(conds):
     return out
 
 
+def working_anchors(rule: FusionRule) -> list[str]:
+    """Anchors that re-anchored (linear) states are held at: each gets a register."""
+    return sorted({a.name for c in rule.components if isinstance(c, LinearComponent)
+                   for a in c.anchors})
+
+
+def work(anchor: str) -> str:
+    """Name of the register holding ``anchor``'s working value."""
+    return f"{anchor}@work"
+
+
+def registers(rule: FusionRule, geo: Geometry) -> dict[str, tuple[int, str, str, object]]:
+    """Every per-lane register: name -> (width, dtype, kind, initial value).  A working
+    anchor starts at 0: the initial (empty) state is the same at every anchor."""
+    out = {}
+    for s in rule.state:
+        name, kind = s.symbol.name, s.kind
+        width = rule_k(rule, name) if kind.endswith("_k") else geo.width(name)
+        out[name] = (width, I64 if kind.startswith("ind") else F32, kind, s.init)
+    for a in working_anchors(rule):
+        out[work(a)] = (geo.width(a), F32, "anchor", 0)
+    return out
+
+
 class States:
-    """Local registers of every state variable: one row of ``width`` slots per lane."""
+    """Local registers of every state variable and working anchor: one row of ``width``
+    slots per lane."""
 
     def __init__(self, rule: FusionRule, geo: Geometry, lanes: int, scope: str = "local"):
-        self.bufs, self.widths, self.kinds = {}, {}, {}
-        for s in rule.state:
-            name, kind = s.symbol.name, s.kind
-            width = (rule_k(rule, name) if kind.endswith("_k") else geo.width(name))
-            dtype = I64 if kind.startswith("ind") else F32
+        self.bufs, self.widths, self.kinds, self.inits = {}, {}, {}, {}
+        for name, (width, dtype, kind, init) in registers(rule, geo).items():
             self.bufs[name] = T.alloc_buffer((lanes, width), dtype, scope=scope)
-            self.widths[name], self.kinds[name] = width, kind
-        self.inits = {s.symbol.name: s.init for s in rule.state}
+            self.widths[name], self.kinds[name], self.inits[name] = width, kind, init
         self.lanes = lanes
 
     def get(self, name, lane, slot=0):
@@ -86,7 +109,7 @@ class Emitter:
     def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict):
         self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
         self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
-        self.anchor_names = sorted({a.name for c in rule.components for a in c.anchors})
+        self.anchor_names = working_anchors(rule)
 
     # Step 1. Reading values ---------------------------------------------------------
     def row_of(self, name: str, r):
@@ -138,17 +161,29 @@ class Emitter:
         vals = {n: st.get(n, lane, slot) for n in st.bufs}
         return self.base_lookup(r, None, slot, {**vals, **(extra or {})})
 
-    def anchors_at(self, st, lane, r, names):
-        """Running anchor values at this state, bound once.
-
-        Known gap: kernels use the running values themselves, not the finite working
-        anchors of ``algebra.components`` (every TVM form of that guard tried so far either
-        made TVM's simplifier blow up on three-level cascades or miscompiled under vector
-        lanes), so an anchor read from *another* stream that starts at -inf still loses the
-        contributions folded while it was -inf.  Same-stream anchors (softmax, attention,
-        variance, every library cascade) match the oracle."""
+    def running(self, st, lane, r, names):
+        """Running (true) anchor values at this state, bound once."""
         return {a: T.bind(self.expr(self.rule.running[a], self.state_lookup(st, lane, r)))
                 for a in names}
+
+    def working(self, st, lane, r, names):
+        """The working anchors at this state: the running value where finite, else 0."""
+        return {a: T.bind(tirx.Select(isfinite(v), v, const(0)))
+                for a, v in self.running(st, lane, r, names).items()}
+
+    @staticmethod
+    def held(st, lane, names):
+        """The working anchors the lane's states are held at (their registers)."""
+        return {a: st.get(work(a), lane) for a in names}
+
+    @staticmethod
+    def hold(st, lane, values):
+        for a, v in values.items():
+            st.set(work(a), lane, v)
+
+    def hold_for(self, st, comp, lane, r):
+        """Hold the lane at the working anchors of ``comp`` (its upstream is complete)."""
+        self.hold(st, lane, self.working(st, lane, r, [a.name for a in comp.anchors]))
 
     # Step 2. One element ------------------------------------------------------------
     def dots(self, r, i):
@@ -168,15 +203,21 @@ class Emitter:
         """The lane's count before this step (None when the rule keeps no count)."""
         return T.bind(st.get(COUNT.name, lane)) if COUNT.name in st.bufs else None
 
+    def _moved(self, st, lane, r, comp, new: dict) -> dict:
+        """Working anchors of ``comp`` after its upstream moved (computed once per anchor)."""
+        names = [a.name for a in comp.anchors]
+        new.update(self.working(st, lane, r, [a for a in names if a not in new]))
+        return {a: new[a] for a in names}
+
     def update(self, st: States, lane, i, r):
         dots = self.dots(r, i)
-        old = self.anchors_at(st, lane, r, self.anchor_names)
+        old, moved = self.held(st, lane, self.anchor_names), {}
         count = self._count(st, lane)
         if count is not None:
             st.set(COUNT.name, lane, count + const(1))
         for comp in self.rule.components:
-            new = self.anchors_at(st, lane, r, [a.name for a in comp.anchors])
             if isinstance(comp, LinearComponent):
+                new = self._moved(st, lane, r, comp, moved)
                 self._linear(st, comp, [(lane, old, count)], lane, new, r,
                              lambda slot, c=comp, new=new: self._basis(c, r, i, slot, new, dots))
             elif isinstance(comp, SelectComponent):
@@ -187,12 +228,14 @@ class Emitter:
                 with self._slots(st.widths[name]) as slot:
                     st.set(name, lane, st.get(name, lane, slot) *
                            self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
+        self.hold(st, lane, moved)
 
     def tile_step(self, st: States, comp, lane, i, r):
         """Fold element i into ``comp`` of a tile whose upstream components are complete:
-        the anchors are final for the tile, so A = I and the step is the plain update."""
-        anchors = self.anchors_at(st, lane, r, [a.name for a in comp.anchors])
+        the anchors are final for the tile (held by ``hold_for``), so A = I and the step is
+        the plain update."""
         if isinstance(comp, LinearComponent):
+            anchors = self.held(st, lane, [a.name for a in comp.anchors])
             cols = [c.name for c in comp.columns]
             width = max(st.widths.get(c, 1) for c in cols)
             with self._slots(width) as slot:
@@ -319,14 +362,14 @@ class Emitter:
     # Step 4. Merge, finalize, outputs -----------------------------------------------
     def merge(self, st: States, a, b, r):
         """Lane a <- merge(lane a, lane b)."""
-        left = self.anchors_at(st, a, r, self.anchor_names)
-        right = self.anchors_at(st, b, r, self.anchor_names)
+        left, right = self.held(st, a, self.anchor_names), self.held(st, b, self.anchor_names)
+        moved = {}
         n_a, n_b = self._count(st, a), self._count(st, b)
         if n_a is not None:
             st.set(COUNT.name, a, n_a + n_b)
         for comp in self.rule.components:
-            new = self.anchors_at(st, a, r, [x.name for x in comp.anchors])
             if isinstance(comp, LinearComponent):
+                new = self._moved(st, a, r, comp, moved)
                 self._linear(st, comp, [(a, left, n_a), (b, right, n_b)], a, new, r, None)
             elif isinstance(comp, SelectComponent):
                 vname = comp.state[0].symbol.name
@@ -343,9 +386,14 @@ class Emitter:
                 name = comp.state[0].symbol.name
                 with self._slots(st.widths[name]) as slot:
                     st.set(name, a, st.get(name, a, slot) * st.get(name, b, slot), slot)
+        self.hold(st, a, moved)
 
     def finalize(self, st: States, r, results: dict):
-        """Every result of the rule into its per-row buffer (name -> (buffer, width))."""
+        """Every result of the rule into its per-row buffer (name -> (buffer, width)), after
+        the states settle at the true final anchors."""
+        for comp in self.rule.components:
+            if isinstance(comp, LinearComponent) and comp.anchors:
+                self._settle(st, comp, r)
         for name, expr in self.rule.running.items():
             if name not in results:
                 continue
@@ -353,6 +401,30 @@ class Emitter:
             with self._slots(width) as slot:
                 T.buffer_store(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
                                [r, slot])
+
+    def _settle(self, st: States, comp, r):
+        """Move lane 0 of ``comp`` from its working anchors to the true ones with IEEE
+        products (exp(-inf - -inf) = NaN as in the reference); where the shift is infinite,
+        the highest power of it meeting a non-zero state dominates (``components.settle``)."""
+        names = [a.name for a in comp.anchors]
+        held, true = self.held(st, 0, names), self.running(st, 0, r, names)
+        finite = _all([isfinite(true[a]) for a in names])
+        same = _all([held[a] == true[a] for a in names])
+        degree = comp.compiled("degree", comp.shift_degrees)
+        cols = [c.name for c in comp.columns]
+        with self._slots(max(st.widths.get(c, 1) for c in cols)) as slot:
+            look = self.state_lookup(st, 0, r, slot, {
+                **held, **{primed(a).name: true[a.name] for a in comp.anchors}})
+            values = {}
+            for g, name in enumerate(cols):
+                terms = [(degree[(g, h)], T.bind(self.expr(comp.matrix[g, h], look) *
+                                                 st.get(col, 0, slot)), st.get(col, 0, slot))
+                         for h, col in enumerate(cols) if comp.matrix[g, h] != 0]
+                if name != COUNT.name and terms:
+                    values[name] = T.bind(tirx.Select(tirx.Or(same, finite), _total(terms),
+                                                      _dominant(terms)))
+            for name, v in values.items():
+                st.set(name, 0, tirx.Select(same, st.get(name, 0, slot), v), slot)
 
     def elementwise(self, r, outs: dict, start=0, step: int = 1):
         """Per-element outputs for elements start, start + step, ... (CUDA threads stride);
@@ -381,6 +453,27 @@ class Emitter:
                 else:
                     with self._slots(width) as slot:
                         store(i, slot)
+
+
+def _total(terms):
+    out = terms[0][1]
+    for _, t, _ in terms[1:]:
+        out = out + t
+    return out
+
+
+def _dominant(terms):
+    """Sum of the terms of the highest shift degree among those with a non-zero state
+    (degree <= 0: all of them, IEEE)."""
+    top = tirx.const(-1, "int32")
+    for d, _, s in terms:
+        top = tirx.max(top, tirx.Select(s != const(0), tirx.const(d, "int32"),
+                                         tirx.const(-1, "int32")))
+    top = T.bind(top)
+    picked = [tirx.Select(tirx.Or(top <= tirx.const(0, "int32"),
+                                  tirx.And(s != const(0), top == tirx.const(d, "int32"))),
+                          t, const(0)) for d, t, s in terms]
+    return _total([(0, p, None) for p in picked])
 
 
 class _Const0:

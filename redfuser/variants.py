@@ -16,7 +16,7 @@ from algebra.rule import FusionRule
 from algebra.spec import Cascade
 
 from .analysis import Geometry
-from .lower import F32, I64, Emitter, States, rule_k
+from .lower import F32, I64, Emitter, States, registers
 from .plan import Plan
 from .tvm_adapter import IRBuilder, T, arg_buffer, tirx
 
@@ -89,13 +89,16 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
 
 def _tile(em: Emitter, st: States, r, base, lanes: int, tile: int):
     """Lanes [lanes, 2 lanes) hold the tile; lane l takes elements base + k*lanes + l."""
-    from algebra.components import COUNT
+    from algebra.components import COUNT, LinearComponent
 
     with T.vectorized(0, lanes) as lane:
         st.init(lanes + lane)
         if COUNT.name in st.bufs:
             st.set(COUNT.name, lanes + lane, tirx.const(float(tile), F32))
     for comp in em.rule.components:
+        if comp.anchors and isinstance(comp, LinearComponent):
+            with T.vectorized(0, lanes) as lane:
+                em.hold_for(st, comp, lanes + lane, r)
         with T.serial(0, tile) as k:
             with T.vectorized(0, lanes) as lane:
                 em.tile_step(st, comp, lanes + lane, base + k * lanes + lane, r)
@@ -139,13 +142,8 @@ def _split(rule, geo, plan, bufs, results, elementwise):
 
 def workspace(rule: FusionRule, geo: Geometry, rows: int) -> dict:
     """Global buffers holding one complete state per row piece: name -> (buffer, width)."""
-    work = {}
-    for st in rule.state:
-        name = st.symbol.name
-        width = rule_k(rule, name) if st.kind.endswith("_k") else geo.width(name)
-        dtype = I64 if st.kind.startswith("ind") else F32
-        work[name] = (T.alloc_buffer((rows, width), dtype), width)
-    return work
+    return {name: (T.alloc_buffer((rows, width), dtype), width)
+            for name, (width, dtype, _, _) in registers(rule, geo).items()}
 
 
 def copy_state(st: States, work: dict, lane, row, to_work: bool):
