@@ -187,17 +187,30 @@ class Emitter:
 
     # Step 2. One element ------------------------------------------------------------
     def dots(self, r, i):
-        out = {}
-        for dot in sorted({d for c in self.rule.components for e in _exprs(c)
-                           for d in e.atoms(_Dot())}, key=str):
-            acc = T.alloc_buffer((1,), F32, scope="local")
-            T.buffer_store(acc, const(0), [0])
-            with T.serial(0, self.geo.d) as f:
-                look = self.base_lookup(r, i, f)
-                T.buffer_store(acc, acc[0] + self.expr(dot.args[0], look) *
-                               self.expr(dot.args[1], look), [0])
-            out[dot] = T.bind(acc[0])
-        return out
+        """Every dot product of the element, bound once."""
+        return {dot: T.bind(self._dot(dot, r, i))
+                for dot in sorted({d for c in self.rule.components for e in _exprs(c)
+                                   for d in e.atoms(_Dot())}, key=str)}
+
+    def _dot(self, dot, r, i):
+        """VECTOR partial sums over the feature axis, then a halving tree: a scalar chain of
+        D dependent adds would bound attention by the add latency (4 cycles per feature)."""
+        d, vector = self.geo.d, self.plan.lanes == 1 and self.plan.threads == 1
+        width = VECTOR if vector and d % VECTOR == 0 else 1
+        acc = T.alloc_buffer((width,), F32, scope="local")
+        with (T.vectorized(0, width) if width > 1 else _Const0()) as lane:
+            T.buffer_store(acc, const(0), [lane])
+        with T.serial(0, d // width) as c:
+            with (T.vectorized(0, width) if width > 1 else _Const0()) as lane:
+                look = self.base_lookup(r, i, c * width + lane)
+                T.buffer_store(acc, acc[lane] + self.expr(dot.args[0], look) *
+                               self.expr(dot.args[1], look), [lane])
+        half = width // 2
+        while half >= 1:
+            with (T.vectorized(0, half) if half > 1 else _Const0()) as lane:
+                T.buffer_store(acc, acc[lane] + acc[lane + half], [lane])
+            half //= 2
+        return acc[0]
 
     def _count(self, st: States, lane):
         """The lane's count before this step (None when the rule keeps no count)."""
@@ -219,7 +232,7 @@ class Emitter:
             if isinstance(comp, LinearComponent):
                 new = self._moved(st, lane, r, comp, moved)
                 self._linear(st, comp, [(lane, old, count)], lane, new, r,
-                             lambda slot, c=comp, new=new: self._basis(c, r, i, slot, new, dots))
+                             self._fresh(comp, r, i, new, dots))
             elif isinstance(comp, SelectComponent):
                 g = self.expr(comp.core, self.base_lookup(r, i, 0, dots))
                 self._select_insert(st, comp, lane, g, tirx.Cast(I64, i))
@@ -230,31 +243,81 @@ class Emitter:
                            self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
         self.hold(st, lane, moved)
 
-    def tile_step(self, st: States, comp, lane, i, r):
+    def tile_dots(self, r, base, count: int):
+        """Dot products of elements base .. base + count - 1 into a local buffer, computed
+        once; returns k -> {dot: value at element base + k}."""
+        found = sorted({d for c in self.rule.components for e in _exprs(c)
+                        for d in e.atoms(_Dot())}, key=str)
+        if not found:
+            return None
+        cache = T.alloc_buffer((len(found), count), F32, scope="local")
+        with T.serial(0, count) as k:
+            for j, dot in enumerate(found):
+                T.buffer_store(cache, self._dot(dot, r, base + k), [j, k])
+        return lambda k: {dot: cache[j, k] for j, dot in enumerate(found)}
+
+    def tile_bases(self, st: States, comps, lane, r, base, count: int, dots) -> list:
+        """One-lane tiles: the slot-invariant parts of the bases of ``comps`` for every
+        element of the tile, in one loop vectorized over the elements (attention's
+        exp(s - m) for 16 keys at once instead of one scalar exp per key).  Returns, per
+        comp, None or (basis with those parts as symbols, k -> {symbol: value at base + k})."""
+        split = [_split_invariant(c.basis, set(self.geo.vec))
+                 if isinstance(c, LinearComponent) else None for c in comps]
+        parts = [(e, sym) for one in split if one for e, sym in one[1].items()]
+        if not parts:
+            return [None] * len(comps)
+        cache = T.alloc_buffer((len(parts), count), F32, scope="local")
+        names = sorted({a.name for c in comps for a in c.anchors
+                        if isinstance(c, LinearComponent)})
+        with T.vectorized(0, count) as k:
+            look = self.base_lookup(r, base + k, 0, {**(dots(k) if dots else {}),
+                                                     **self.held(st, lane, names)})
+            for j, (e, _) in enumerate(parts):
+                T.buffer_store(cache, self.expr(e, look), [j, k])
+        column = {sym: j for j, (_, sym) in enumerate(parts)}
+
+        def at(syms):
+            return lambda k: {sym: cache[column[sym], k] for sym in syms}
+
+        return [one and (one[0], at(list(one[1].values()))) for one in split]
+
+    def tile_step(self, st: States, comp, lane, i, r, dots=None, basis=None):
         """Fold element i into ``comp`` of a tile whose upstream components are complete:
         the anchors are final for the tile (held by ``hold_for``), so A = I and the step is
-        the plain update."""
+        the plain update.  ``basis``: (basis, values) precomputed by ``tile_bases``."""
         if isinstance(comp, LinearComponent):
             anchors = self.held(st, lane, [a.name for a in comp.anchors])
             cols = [c.name for c in comp.columns]
             width = max(st.widths.get(c, 1) for c in cols)
+            fresh = self._fresh(comp, r, i, anchors, dots or {}, basis)
             with self._slots(width) as slot:
-                for c, value in zip(cols, self._basis(comp, r, i, slot, anchors, {}),
-                                    strict=True):
+                for c, value in zip(cols, fresh(slot), strict=True):
                     if c != COUNT.name:
                         st.set(c, lane, st.get(c, lane, slot) + value, slot)
         elif isinstance(comp, SelectComponent):
-            g = self.expr(comp.core, self.base_lookup(r, i, 0))
+            g = self.expr(comp.core, self.base_lookup(r, i, 0, dots))
             self._select_insert(st, comp, lane, g, tirx.Cast(I64, i))
         else:
             name = comp.state[0].symbol.name
             with self._slots(st.widths[name]) as slot:
                 st.set(name, lane, st.get(name, lane, slot) *
-                       self.expr(comp.factor, self.base_lookup(r, i, slot)), slot)
+                       self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
 
-    def _basis(self, comp, r, i, slot, anchors, dots):
-        look = self.base_lookup(r, i, slot, {**dots, **anchors})
-        return [self.expr(b, look) for b in comp.basis]
+    def _fresh(self, comp, r, i, anchors, dots, pre=None):
+        """slot -> the element's basis values; parts that are the same for every slot of a
+        feature vector (attention's exp(s - m)) are bound once, before the slot loop (or
+        come precomputed: ``pre`` = (basis, values))."""
+        known = {**dots, **anchors}
+        basis, hoisted = pre or self._hoist(comp.basis, set(self.geo.vec),
+                                            self.base_lookup(r, i, 0, known))
+        return lambda slot: [self.expr(b, self.base_lookup(r, i, slot, {**known, **hoisted}))
+                             for b in basis]
+
+    def _hoist(self, exprs, varying: set, look, per_slot: bool = True):
+        """``exprs`` with their largest parts free of ``varying`` names replaced by symbols
+        bound here (to their values under ``look``); returns (exprs, symbol -> value)."""
+        out, found = _split_invariant(exprs, varying, per_slot)
+        return out, {sym: T.bind(self.expr(e, look)) for e, sym in found.items()}
 
     @contextmanager
     def _slots(self, width: int):
@@ -274,9 +337,10 @@ class Emitter:
         """S_out = sum over sources (lane, anchors) of A(anchors -> new) S_lane [+ fresh]."""
         cols = [c.name for c in comp.columns]
         width = max(st.widths.get(c, 1) for c in cols)
+        entries = [self._entries(st, comp, lane, a_old, new, r) for lane, a_old, _ in sources]
         with self._slots(width) as slot:
-            terms = [self._reanchor(st, comp, lane, a_old, count, new, r, slot)
-                     for lane, a_old, count in sources]
+            terms = [self._reanchor(st, comp, lane, a_old, count, new, r, slot, ent)
+                     for (lane, a_old, count), ent in zip(sources, entries, strict=True)]
             extra = fresh(slot) if fresh else None
             values = {}
             for k, c in enumerate(cols):
@@ -289,11 +353,20 @@ class Emitter:
             for c, v in values.items():
                 st.set(c, lane_out, v, slot)
 
-    def _reanchor(self, st, comp, lane, a_old, count, a_new, r, slot):
-        names = [c.name for c in comp.columns]
-        look = self.state_lookup(st, lane, r, slot, {
+    def _entry_lookup(self, st, comp, lane, a_old, a_new, r, slot):
+        return self.state_lookup(st, lane, r, slot, {
             **{a.name: a_old[a.name] for a in comp.anchors},
             **{primed(a).name: a_new[a.name] for a in comp.anchors}})
+
+    def _entries(self, st, comp, lane, a_old, a_new, r) -> dict:
+        """Matrix entries that are the same for every slot, bound once before the slot loop."""
+        look = self._entry_lookup(st, comp, lane, a_old, a_new, r, 0)
+        return {gh: T.bind(self.expr(e, look)) for gh, e in _matrix_items(comp)
+                if e != 1 and not ({s.name for s in e.free_symbols} & set(self.geo.vec))}
+
+    def _reanchor(self, st, comp, lane, a_old, count, a_new, r, slot, entries):
+        names = [c.name for c in comp.columns]
+        look = self._entry_lookup(st, comp, lane, a_old, a_new, r, slot)
         same = _all([a_old[a.name] == a_new[a.name] for a in comp.anchors])
         out = []
         for g, name in enumerate(names):
@@ -303,7 +376,8 @@ class Emitter:
                 if entry == 0:
                     continue
                 s = count if col == COUNT.name else st.get(col, lane, slot)
-                term = s if entry == 1 else _mul0(self.expr(entry, look), s)
+                value = entries.get((g, h)) if (g, h) in entries else self.expr(entry, look)
+                term = s if entry == 1 else _mul0(value, s)
                 moved = term if moved is None else moved + term
             keep = st.get(name, lane, slot)
             out.append(moved if same is None else tirx.Select(same, keep, moved))
@@ -426,15 +500,27 @@ class Emitter:
             for name, v in values.items():
                 st.set(name, 0, tirx.Select(same, st.get(name, 0, slot), v), slot)
 
+    def _per_row(self, expr: sp.Expr, r):
+        """``expr`` with its largest element-invariant parts replaced by symbols bound to
+        their per-row values (mapped in the returned lookup)."""
+        per_element = {INDEX} | set(self.geo.vec) | {
+            k for k, g in self.geo.inputs.items() if g.length > 1}
+        (out,), values = self._hoist([expr], per_element, self.base_lookup(r), per_slot=False)
+        return out, values
+
     def elementwise(self, r, outs: dict, start=0, step: int = 1):
         """Per-element outputs for elements start, start + step, ... (CUDA threads stride);
-        on the CPU (step 1) the element loop is vectorized in LANES-wide chunks."""
+        on the CPU (step 1) the element loop is vectorized in LANES-wide chunks.  Parts of
+        an output that do not depend on the element (``1/d`` of softmax) are computed once
+        per row."""
         for name, expr in self.rule.cascade.elementwise.items():
+            expr, hoisted = self._per_row(expr, r)
             buf = outs[name]
             width = buf.shape[2]
 
-            def store(i, slot, buf=buf, expr=expr):
-                T.buffer_store(buf, self.expr(expr, self.base_lookup(r, i, slot)), [r, i, slot])
+            def store(i, slot, buf=buf, expr=expr, hoisted=hoisted):
+                T.buffer_store(buf, self.expr(expr, self.base_lookup(r, i, slot, hoisted)),
+                               [r, i, slot])
 
             if step == 1 and width == 1 and self.geo.n >= VECTOR:
                 full = self.geo.n // VECTOR * VECTOR
@@ -474,6 +560,43 @@ def _dominant(terms):
                                   tirx.And(s != const(0), top == tirx.const(d, "int32"))),
                           t, const(0)) for d, t, s in terms]
     return _total([(0, p, None) for p in picked])
+
+
+def _matrix_items(comp):
+    """((row, column), entry) of the non-zero entries of a component's matrix."""
+    m = comp.matrix
+    return [((g, h), m[g, h]) for g in range(m.rows) for h in range(m.cols) if m[g, h] != 0]
+
+
+def _split_invariant(exprs, varying: set, per_slot: bool = True):
+    """``exprs`` with their largest parts free of ``varying`` names replaced by fresh
+    symbols; returns (exprs, part -> symbol).  ``per_slot``: a dot product counts as
+    invariant (it is one number per element, whatever its operands carry)."""
+    found: dict[sp.Expr, sp.Symbol] = {}
+    names = _names_outside_dots if per_slot else (lambda e: {s.name for s in e.free_symbols})
+
+    def visit(e):
+        if _hoistable(e, varying, names):
+            return found.setdefault(e, sp.Dummy(f"inv{len(found)}"))
+        return e.func(*[visit(a) for a in e.args]) if e.args else e
+
+    return [visit(e) for e in exprs], found
+
+
+def _hoistable(e: sp.Expr, varying: set, names) -> bool:
+    """Worth computing once outside the loop: not a leaf, no ``varying`` name."""
+    return not (e.is_Atom or e.is_number or type(e).__name__ == "Dot") and \
+        not (names(e) & varying)
+
+
+def _names_outside_dots(e: sp.Expr) -> set[str]:
+    """Free symbol names of ``e``, except inside dot products (a dot is one number per
+    element: it does not vary over the feature axis its operands carry)."""
+    if type(e).__name__ == "Dot":
+        return set()
+    if e.is_Symbol:
+        return {e.name}
+    return set().union(*(_names_outside_dots(a) for a in e.args)) if e.args else set()
 
 
 class _Const0:

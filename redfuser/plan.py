@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from algebra.components import SelectComponent
+from algebra.components import LinearComponent, SelectComponent
 from algebra.rule import FusionRule
 
 from .analysis import Geometry, component_exprs
@@ -20,6 +20,7 @@ from .tvm_adapter import default_threads
 
 LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per step
 TILE = 8  # elements per lane per tile: the merge's rescale is paid once per TILE elements
+KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. attention's keys
 MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
 VARIANTS = ("rolling", "split", "unfused")
 
@@ -49,6 +50,14 @@ def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
     return LANES if scalar_states and no_dot and no_insert and geo.n >= 2 * LANES else 1
 
 
+def tile_for(rule: FusionRule, lanes: int) -> int:
+    """Elements per lane folded at fixed anchors: worth it where a state is re-anchored."""
+    if lanes > 1:
+        return TILE
+    anchored = any(isinstance(c, LinearComponent) and c.anchors for c in rule.components)
+    return KEY_TILE if anchored else 1
+
+
 def _dot_class():
     from algebra.functions import Dot
 
@@ -73,11 +82,11 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None, splits: 
         s = max(1, min(s, geo.n))
         why = "requested" if variant else (f"{geo.r} row(s) < {threads} threads and N = "
                                            f"{geo.n}: split each row, combine with the merge")
-        return Plan("split", lanes, s, fast_math, why, tile=TILE if lanes > 1 else 1)
+        return Plan("split", lanes, s, fast_math, why, tile=tile_for(rule, lanes))
     why = "requested" if variant else (f"{geo.r} rows >= {threads} threads" if not idle else
                                        f"N = {geo.n} too short to split")
     return Plan("rolling", lanes, 1, fast_math, why + "; rows in parallel, one pass each",
-                tile=TILE if lanes > 1 else 1)
+                tile=tile_for(rule, lanes))
 
 
 SMS = 132  # streaming multiprocessors of an H100/H200: blocks needed to fill the GPU

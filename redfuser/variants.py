@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from algebra.components import COUNT, LinearComponent
 from algebra.derive import derive_components, running_values
 from algebra.rule import FusionRule
 from algebra.spec import Cascade
@@ -66,44 +67,79 @@ def _elementwise_width(rule, geo, name) -> int:
 def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
     """Fold elements [start, start + length) into lanes 0..lanes-1, then merge them into 0.
 
-    With lanes > 1, whole tiles of lanes x tile elements are folded level by level at
-    the tile's own final anchors (one exp per element instead of two for softmax) and
-    merged into the running lanes; the rest goes element by element."""
-    if lanes > 1:
-        step = lanes * tile
-        with T.serial(0, tirx.floordiv(length, step)) as c:
-            base = start + c * step
-            if tile > 1:
-                _tile(em, st, r, base, lanes, tile)
-            else:
-                with T.vectorized(0, lanes) as lane:
-                    em.update(st, lane, base + lane, r)
-        with T.serial(tirx.floordiv(length, step) * step, length) as t:
-            em.update(st, 0, start + t, r)
-        with T.serial(1, lanes) as lane:  # a loop, not unrolled: one copy of the merge
-            em.merge(st, 0, lane, r)
-    else:
+    With tile > 1, whole tiles of lanes x tile elements are folded level by level at
+    the tile's own final anchors (one exp per element instead of two for softmax; one
+    rescale of attention's D-vector per tile of keys instead of per key) and merged into
+    the running lanes; the rest goes element by element."""
+    step = lanes * tile
+    if step == 1:
         with T.serial(0, length) as t:
             em.update(st, 0, start + t, r)
+        return
+    with T.serial(0, tirx.floordiv(length, step)) as c:
+        base = start + c * step
+        if tile > 1:
+            _tile(em, st, r, base, lanes, tile)
+        else:
+            with T.vectorized(0, lanes) as lane:
+                em.update(st, lane, base + lane, r)
+    with T.serial(tirx.floordiv(length, step) * step, length) as t:
+        em.update(st, 0, start + t, r)
+    if lanes > 1:
+        with T.serial(1, lanes) as lane:  # a loop, not unrolled: one copy of the merge
+            em.merge(st, 0, lane, r)
+
+
+def _levels(rule: FusionRule) -> list[list]:
+    """Components in groups whose anchors all come from earlier groups: a group's tile loops
+    are one loop, so a shared exp(x - m) is computed once per element."""
+    levels, produced = [], set()
+    for comp in rule.components:
+        reads = {s.name for a in comp.anchors for s in rule.running[a.name].free_symbols}
+        if not levels or reads & produced:
+            levels.append([])
+            produced = set()
+        levels[-1].append(comp)
+        produced |= {s.symbol.name for s in comp.state}
+    return levels
+
+
+def _lane_loop(lanes: int):
+    """A vectorized loop over the lanes; none for one lane (the slot loop inside may then
+    be the vectorized one: vector loops cannot nest)."""
+    return T.vectorized(0, lanes) if lanes > 1 else _Lane0()
 
 
 def _tile(em: Emitter, st: States, r, base, lanes: int, tile: int):
-    """Lanes [lanes, 2 lanes) hold the tile; lane l takes elements base + k*lanes + l."""
-    from algebra.components import COUNT, LinearComponent
-
-    with T.vectorized(0, lanes) as lane:
+    """Lanes [lanes, 2 lanes) hold the tile; lane l takes elements base + k*lanes + l.
+    Dot products are computed once per element of the tile, before the levels."""
+    dots = em.tile_dots(r, base, lanes * tile) if lanes == 1 else None
+    with _lane_loop(lanes) as lane:
         st.init(lanes + lane)
         if COUNT.name in st.bufs:
             st.set(COUNT.name, lanes + lane, tirx.const(float(tile), F32))
-    for comp in em.rule.components:
-        if comp.anchors and isinstance(comp, LinearComponent):
-            with T.vectorized(0, lanes) as lane:
-                em.hold_for(st, comp, lanes + lane, r)
+    for level in _levels(em.rule):
+        for comp in level:
+            if comp.anchors and isinstance(comp, LinearComponent):
+                with _lane_loop(lanes) as lane:
+                    em.hold_for(st, comp, lanes + lane, r)
+        bases = em.tile_bases(st, level, 1, r, base, tile, dots) if lanes == 1 else \
+            [None] * len(level)
         with T.serial(0, tile) as k:
-            with T.vectorized(0, lanes) as lane:
-                em.tile_step(st, comp, lanes + lane, base + k * lanes + lane, r)
-    with T.vectorized(0, lanes) as lane:
+            with _lane_loop(lanes) as lane:
+                for comp, pre in zip(level, bases, strict=True):
+                    em.tile_step(st, comp, lanes + lane, base + k * lanes + lane, r,
+                                 dots(k) if dots else {}, pre and (pre[0], pre[1](k)))
+    with _lane_loop(lanes) as lane:
         em.merge(st, lane, lanes + lane, r)
+
+
+class _Lane0:
+    def __enter__(self):
+        return 0
+
+    def __exit__(self, *exc):
+        return False
 
 
 def _rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):

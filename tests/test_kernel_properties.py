@@ -4,9 +4,10 @@ vectors), ``derive`` proves it, and every variant's kernel must match the float6
 
 Tolerance: the kernel computes in float32, the oracle in float64 on the same (float32)
 inputs.  A cascade may be ill-conditioned (``sum(x - mean)`` is all cancellation), so the
-bound is taken from the problem itself: how far the float64 results move when the inputs move
-by a few float32 ulps (``SENSITIVITY_ULPS``), times a safety factor, plus float32 rounding of
-the result (rtol 1e-4: sums over N <= 40 elements, polynomial exp/log within 1e-7).
+bound is taken from the problem itself: how far the float64 results move when the inputs and
+every intermediate result move by a few float32 ulps (``SENSITIVITY_ULPS``; the spec's *twin*
+multiplies each use of a result by a per-row 1 + u), times a safety factor, plus float32
+rounding of the result (rtol 1e-4: sums over N <= 40 elements, exp/log within 1e-7).
 """
 
 from __future__ import annotations
@@ -51,21 +52,34 @@ def anchored(draw, table: dict, results: list) -> str:
     """A body from ``table`` anchored at one of ``results`` [(name, bound)]."""
     name, bound = draw(st.sampled_from(results))
     options = table["any"] + (table[bound] if bound != "any" else ())
-    return draw(st.sampled_from(options)).format(r=name)
+    return draw(st.sampled_from(options)).format(r=use(name))
+
+
+def use(name: str) -> str:
+    """A use of result ``name`` (rK), rendered by ``render``."""
+    return f"@{name[1:]}"
+
+
+def render(text: str, twin: bool) -> str:
+    """The spec, or its twin where each use of rK is rK * (1 + uK) (uK: a per-row input)."""
+    for k in range(4):
+        text = text.replace(f"@{k}", f"(r{k} * (1 + u{k}))" if twin else f"r{k}")
+    return text
 
 
 @st.composite
-def cascades(draw) -> str:
+def cascades(draw) -> tuple[str, str]:
     """A random chain: r0 from the streams, r1.. anchored at earlier results, maybe an
-    epilogue, a vector sum, a selection or a per-element output at the end."""
+    epilogue, a vector sum, a selection or a per-element output at the end.  Returns the
+    spec and its twin (see ``render``)."""
     first, bound = draw(st.sampled_from(FIRST))
     lines, results = [f"r0 = {first}"], [("r0", bound)]
     for k in range(1, draw(st.integers(1, 3))):
         op = draw(st.sampled_from(SUM_LIKE))
         red = f"{op}({draw(anchored(ANCHORED, results))})"
         if op == "sum":
-            red = draw(st.sampled_from(EPILOGUES)).format(s=red, r=draw(st.sampled_from(
-                [n for n, _ in results])))
+            red = draw(st.sampled_from(EPILOGUES)).format(s=red, r=use(draw(st.sampled_from(
+                [n for n, _ in results]))))
         lines.append(f"r{k} = {red}")
         results.append((f"r{k}", "any"))
     last, first_bound = results[-1][0], results[0][1]
@@ -73,10 +87,12 @@ def cascades(draw) -> str:
     if extra == "vector":
         lines.append(f"o = sum({draw(anchored(VECTOR, results))})")
     elif extra == "selection":
-        lines.append(f"p = {draw(st.sampled_from(SELECTIONS)).format(r='r0')}")
+        lines.append(f"p = {draw(st.sampled_from(SELECTIONS)).format(r=use('r0'))}")
     elif extra == "element" and first_bound == "max":
-        lines.append(f"e[i] = {draw(st.sampled_from(ELEMENTWISE)).format(r='r0', s=last)}")
-    return "\n".join(lines)
+        lines.append("e[i] = " + draw(st.sampled_from(ELEMENTWISE)).format(r=use("r0"),
+                                                                            s=use(last)))
+    text = "\n".join(lines)
+    return render(text, False), render(text, True)
 
 
 def make_inputs(rule, rng: np.random.Generator, rows: tuple, n: int, d: int) -> dict:
@@ -92,14 +108,18 @@ def make_inputs(rule, rng: np.random.Generator, rows: tuple, n: int, d: int) -> 
     return inputs
 
 
-def sensitivity(spec: str, inputs: dict, rng: np.random.Generator) -> dict:
-    """|ref(inputs * (1 + delta)) - ref(inputs)| with |delta| ~ SENSITIVITY_ULPS float32 ulps:
-    the error any float32 computation of this cascade can be expected to have."""
+def sensitivity(spec: str, twin: str, inputs: dict, rows: tuple,
+                rng: np.random.Generator) -> dict:
+    """|twin(inputs * (1 + delta), u = +-delta) - ref(inputs)| with |delta| about
+    SENSITIVITY_ULPS float32 ulps: the error any float32 computation of this cascade, which
+    rounds its inputs and every intermediate result, can be expected to have."""
     eps = SENSITIVITY_ULPS * float(np.finfo(np.float32).eps)
     moved = {k: np.asarray(v, np.float64) * (1 + eps * rng.choice([-1.0, 1.0], np.shape(v)))
              for k, v in inputs.items()}
+    moved.update({f"u{k}": eps * rng.choice([-1.0, 1.0], rows) for k in range(4)
+                  if f"u{k}" in twin})
     base = redfuser.reference(spec, inputs)
-    other = redfuser.reference(spec, moved)
+    other = redfuser.reference(twin, moved)
     with np.errstate(invalid="ignore"):
         return {k: np.nan_to_num(np.abs(other[k] - base[k]), nan=0.0, posinf=0.0)
                 for k in base}
@@ -107,9 +127,10 @@ def sensitivity(spec: str, inputs: dict, rng: np.random.Generator) -> dict:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @settings(max_examples=examples(0.6))  # 15 cascades per variant: each one compiles a kernel
-@given(spec=cascades(), seed=st.integers(0, 2**32 - 1), n=st.integers(1, 40),
+@given(specs=cascades(), seed=st.integers(0, 2**32 - 1), n=st.integers(1, 40),
        rows=st.sampled_from([(1,), (3,), (2, 2)]))
-def test_generated_cascade_kernels_match_the_oracle(variant, spec, seed, n, rows):
+def test_generated_cascade_kernels_match_the_oracle(variant, specs, seed, n, rows):
+    spec, twin = specs
     try:
         rule = rule_for(spec)
     except (redfuser.NotFusable, redfuser.SpecError):
@@ -119,7 +140,7 @@ def test_generated_cascade_kernels_match_the_oracle(variant, spec, seed, n, rows
     inputs = make_inputs(rule, rng, rows, n, d=3)
     out = redfuser.compile(rule, variant=variant)(**inputs)
     ref = redfuser.reference(spec, inputs)
-    slack = sensitivity(spec, inputs, rng)
+    slack = sensitivity(spec, twin, inputs, rows, rng)
     assert list(out) == list(ref)
     for name in ref:
         if ref[name].dtype.kind in "iu":
