@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m redfuser derive --all
+	$(PY) -m redfuser kernels
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check redfuser algebra tests

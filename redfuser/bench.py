@@ -10,15 +10,21 @@ in the same run because these machines are shared and noisy.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-import redfuser
+# TVM's idle workers busy-wait for the next task by default; in a process shared with torch
+# they steal its cores (torch.softmax measured 100x slower right after a TVM kernel on 2
+# cores).  Read when TVM loads, so set before the first TVM import.
+os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
-from .tvm_adapter import default_threads
+import redfuser  # noqa: E402
+
+from .tvm_adapter import default_threads  # noqa: E402
 
 
 @dataclass(frozen=True)
