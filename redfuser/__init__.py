@@ -11,8 +11,8 @@ True
 
 from algebra import LIBRARY, FusionRule, NotFusable, SpecError, derive, reference
 
-__all__ = ["LIBRARY", "FusionRule", "Kernel", "NotFusable", "SpecError", "compile", "derive",
-           "reference"]
+__all__ = ["LIBRARY", "FuseReport", "FusionRule", "Kernel", "NotFusable", "SpecError", "compile",
+           "derive", "fuse", "lift", "reference"]
 
 
 def __getattr__(name: str):
@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from .kernel import Kernel
 
         return Kernel
+    if name in ("lift", "fuse", "FuseReport"):  # TensorIR: find and fuse cascades
+        from . import tensorir
+
+        return getattr(tensorir, name)
     raise AttributeError(f"module 'redfuser' has no attribute {name!r}")

@@ -25,6 +25,7 @@ F32 = "float32"
 _LOG2E = 1.4426950408889634
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4  # Cody-Waite split: n * _LN2_HI is exact
 _EXP_LO, _EXP_HI = -87.33654, 88.72283  # ln(FLT_MIN), ln(FLT_MAX), rounded inwards
+_EXP_TOP = 89.0  # clamp above ln(FLT_MAX): exp overflows to inf there by itself
 _EXP_P = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
           1.6666665459e-1, 5.0000001201e-1)
 _LOG_P = (7.0376836292e-2, -1.1514610310e-1, 1.1676998740e-1, -1.2420140846e-1,
@@ -90,6 +91,14 @@ def isfinite(x):
     return tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7F800000)) != _i(0x7F800000)
 
 
+def _copysign(magnitude, sign):
+    """copysign on the bits: TVM's vectorizer scalarizes the copysign intrinsic when its
+    argument holds a Let (as fast_exp's result does)."""
+    bits = tirx.bitwise_or(tirx.reinterpret("int32", magnitude),
+                           tirx.bitwise_and(tirx.reinterpret("int32", sign), _i(-2**31)))
+    return tirx.reinterpret(F32, bits)
+
+
 def _horner(x, coeffs):
     acc = _f(coeffs[0])
     for c in coeffs[1:]:
@@ -103,22 +112,23 @@ def _pow2(n):
 
 
 def _exp_body(x):
-    # Clamp with Selects (NaN -> _EXP_LO, so no NaN reaches the float->int cast).
-    xc = tirx.Select(x > _f(_EXP_LO), tirx.Select(x < _f(_EXP_HI), x, _f(_EXP_HI)), _f(_EXP_LO))
-
-    def reduced(n):  # exp(r) for r = xc - n*ln2 in [-ln2/2, ln2/2], then scale by 2**n
+    # Clamp with min/max (cheap for TVM's simplifier, unlike nested Selects); past the top
+    # the result overflows to inf by itself (2**64 * 2**64 * p), and a NaN x is answered by
+    # the last Select whatever the clamp made of it.
+    def reduced(xc, n):  # exp(r) for r = xc - n*ln2 in [-ln2/2, ln2/2], then scale by 2**n
         def poly(r):
             p = _horner(r, _EXP_P) * (r * r) + r + _f(1.0)
             ni = tirx.Cast("int32", n)
-            half = tirx.shift_right(ni, _i(1))  # 2**n = 2**half * 2**(n - half): n = 128 fits
+            half = tirx.shift_right(ni, _i(1))  # 2**n = 2**half * 2**(n - half)
             return p * _pow2(half) * _pow2(ni - half)
 
         return let(xc - n * _f(_LN2_HI) - n * _f(_LN2_LO), poly, "exp_r")
 
-    y = let(tirx.floor(xc * _f(_LOG2E) + _f(0.5)), reduced, "exp_n")
-    y = tirx.Select(x < _f(_EXP_LO), _f(0.0), y)
-    y = tirx.Select(x > _f(_EXP_HI), _f(_INF), y)
-    return tirx.Select(isnan(x), x, y)
+    def select(xc):  # the Let outermost: TVM's vectorizer mishandles Lets under a Select
+        y = let(tirx.floor(xc * _f(_LOG2E) + _f(0.5)), lambda n: reduced(xc, n), "exp_n")
+        return tirx.Select(isnan(x), x, tirx.Select(x < _f(_EXP_LO), _f(0.0), y))
+
+    return let(tirx.min(tirx.max(x, _f(_EXP_LO)), _f(_EXP_TOP)), select, "exp_c")
 
 
 def fast_exp(x):
@@ -208,10 +218,11 @@ def _tanh_body(x):
     def on_abs(z):  # tanh(|x|) >= 0; the sign (also of -0.0) is copied back at the end
         z2 = z * z
         small = _horner(z2, _TANH_P) * z2 * z + z  # |x| < 0.625: odd polynomial, no cancellation
-        e = fast_exp(_f(2.0) * tirx.Select(z < _f(10.0), z, _f(10.0)))  # tanh(10) == 1 in f32
-        return tirx.Select(z < _f(0.625), small, _f(1.0) - _f(2.0) / (e + _f(1.0)))
+        e = fast_exp(_f(2.0) * tirx.min(z, _f(10.0)))  # tanh(10) == 1 in f32
+        return let(e, lambda e: tirx.Select(z < _f(0.625), small,
+                                            _f(1.0) - _f(2.0) / (e + _f(1.0))), "tanh_e")
 
-    y = tirx.copysign(let(tirx.abs(x), on_abs, "tanh_z"), x)
+    y = _copysign(let(tirx.abs(x), on_abs, "tanh_z"), x)
     return tirx.Select(isnan(x), x, y)
 
 

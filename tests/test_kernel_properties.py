@@ -38,7 +38,11 @@ ANCHORED = {"any": ("(x[i] - {r})**2", "x[i] * {r}", "(x[i] - {r})**3", "y[i] * 
 VECTOR = {"any": ("(x[i] - {r}) * v[i, :]", "v[i, :] * {r}"),
           "max": ("exp(x[i] - {r}) * v[i, :]",), "min": ("exp({r} - x[i]) * v[i, :]",)}
 SUM_LIKE = ("sum", "sum", "sum", "max", "min")
-EPILOGUES = ("{s}", "{s} / {r}", "log({s}) + {r}", "{s} * {r}")
+EPILOGUES = ("{s}", "{s} / {r}", "{s} * {r}")
+# log only of sums of positive terms: the log of a sum that cancels to about 0 is NaN or not
+# by the sign of a rounding error, in float32 and float64 alike
+LOG_EPILOGUE = "log({s}) + {r}"
+POSITIVE = ("exp(x[i] - @", "exp((x[i] - @", "exp(@")
 ELEMENTWISE = ("exp(x[i] - {r})", "(x[i] - {r}) * {s}", "x[i] / {r}")
 SELECTIONS = ("max(exp(x[i] - {r}))", "argmax(x[i] - {r})", "topk(x[i] * 2 - {r}, 2)",
               "argmin(x[i])")
@@ -78,8 +82,10 @@ def cascades(draw) -> tuple[str, str]:
         op = draw(st.sampled_from(SUM_LIKE))
         red = f"{op}({draw(anchored(ANCHORED, results))})"
         if op == "sum":
-            red = draw(st.sampled_from(EPILOGUES)).format(s=red, r=use(draw(st.sampled_from(
-                [n for n, _ in results]))))
+            positive = red.startswith(tuple(f"sum({p}" for p in POSITIVE)) and \
+                ") * x[i]" not in red
+            form = draw(st.sampled_from(EPILOGUES + ((LOG_EPILOGUE,) if positive else ())))
+            red = form.format(s=red, r=use(draw(st.sampled_from([n for n, _ in results]))))
         lines.append(f"r{k} = {red}")
         results.append((f"r{k}", "any"))
     last, first_bound = results[-1][0], results[0][1]
@@ -120,9 +126,16 @@ def sensitivity(spec: str, twin: str, inputs: dict, rows: tuple,
                   if f"u{k}" in twin})
     base = redfuser.reference(spec, inputs)
     other = redfuser.reference(twin, moved)
+    out = {}
     with np.errstate(invalid="ignore"):
-        return {k: np.nan_to_num(np.abs(other[k] - base[k]), nan=0.0, posinf=0.0)
-                for k in base}
+        for k in base:
+            diff = np.abs(other[k] - base[k])
+            same = (np.isnan(other[k]) == np.isnan(base[k])) & (np.isinf(other[k]) ==
+                                                                  np.isinf(base[k]))
+            # inf where a few ulps flip the reference itself to or from NaN/inf (the log of
+            # a sum that cancels to about 0): no float32 computation can be held to it there
+            out[k] = np.where(same, np.nan_to_num(diff, nan=0.0, posinf=0.0), np.inf)
+    return out
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -146,6 +159,8 @@ def test_generated_cascade_kernels_match_the_oracle(variant, specs, seed, n, row
         if ref[name].dtype.kind in "iu":
             assert_indices_equal(out[name], ref[name], name)
             continue
+        stable = np.isfinite(slack[name])
         scale = np.abs(np.where(np.isfinite(ref[name]), ref[name], 0.0))
-        atol = SAFETY * slack[name] + 1e-5 * (1 + scale)
-        assert_matches(out[name], ref[name], 1e-4, atol, f"{spec!r} [{variant}] {name}")
+        atol = SAFETY * np.where(stable, slack[name], 0.0) + 1e-5 * (1 + scale)
+        assert_matches(np.where(stable, out[name], ref[name]), ref[name], 1e-4, atol,
+                       f"{spec!r} [{variant}] {name}")
