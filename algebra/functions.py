@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import sympy as sp
 from sympy.codegen.cfunctions import expm1, log1p
+from sympy.core.logic import fuzzy_and
 
 
 class _Named(sp.Function):
@@ -178,6 +179,12 @@ class Dot(_Named):
 
     def _eval_is_extended_real(self):
         return self.args[0].is_extended_real and self.args[1].is_extended_real
+
+    def _eval_is_finite(self):  # a finite sum of products of finite numbers
+        return fuzzy_and(a.is_finite for a in self.args)
+
+    def _eval_is_real(self):
+        return fuzzy_and(a.is_real for a in self.args)
 
     def _latex(self, printer):
         a, b = (printer._print(a) for a in self.args)

@@ -96,7 +96,8 @@ def culprit(e: sp.Expr, anchors: set, streams: set) -> tuple[sp.Expr, str]:
 
 
 def _split_terms(e: sp.Expr, has_exp) -> list[tuple[sp.Expr, sp.Expr]]:
-    """Distribute ``e`` into (exponent, rest) terms, opening only sums that hold an exp."""
+    """Distribute ``e`` into (exponent, rest) terms, opening only sums and products for
+    which ``has_exp`` holds."""
     if isinstance(e, sp.exp):
         return [(e.args[0], sp.S.One)]
     if e.is_Add and has_exp(e):
@@ -140,8 +141,13 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[
         return any(_mixes(f, anchors, streams) or f.free_symbols & anchors
                    for f in e.atoms(sp.exp))
 
+    def opens(e):  # sums holding an exp, and products whose anchors are not polynomial:
+        # (b + g*(x - mean)/sqrt(var)) * w distributes into separable terms
+        return has_exp(e) or (_mixes(e, anchors, streams) and
+                              not e.is_polynomial(*(e.free_symbols & anchors)))
+
     groups: dict[tuple[sp.Expr, sp.Expr], dict[sp.Expr, sp.Expr]] = {}
-    for expo, rest in _split_terms(body, has_exp):
+    for expo, rest in _split_terms(body, opens):
         alpha, beta = _split_exponent(expo, anchors, streams, name)
         coeff, poly = sp.S.One, sp.S.One
         if alpha == 0:  # exp of anchors alone: a plain anchor factor, finalize takes it

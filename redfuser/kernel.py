@@ -100,12 +100,12 @@ class Kernel:
         return time_ms(executable, FUNC_NAME, dev, args, repeat)
 
     def _outputs(self, geo: Geometry) -> dict[str, np.ndarray]:
-        from .variants import _elementwise_width, result_width
+        from .variants import elementwise_width, result_width
 
         out = {}
         for name in self.rule.outputs:
             if name in self.rule.cascade.elementwise:
-                width = _elementwise_width(self.rule, geo, name)
+                width = elementwise_width(self.rule, geo, name)
                 out[name] = empty_aligned((geo.r, geo.n, width), np.float32)
             else:
                 out[name] = empty_aligned((geo.r, result_width(self.rule, geo, name)),

@@ -46,7 +46,7 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = "red
             results, elementwise = {}, {}
             for out in rule.outputs:
                 if out in rule.cascade.elementwise:
-                    width = geo.width(out) if out in geo.vec else _elementwise_width(rule, geo,
+                    width = geo.width(out) if out in geo.vec else elementwise_width(rule, geo,
                                                                                       out)
                     elementwise[out] = arg_buffer(out, (geo.r, geo.n, width), F32)
                 else:
@@ -58,7 +58,7 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = "red
     return ib.get()
 
 
-def _elementwise_width(rule, geo, name) -> int:
+def elementwise_width(rule, geo, name) -> int:
     from .analysis import is_vec
 
     return geo.d if is_vec(rule.cascade.elementwise[name], set(geo.vec)) else 1

@@ -1,0 +1,184 @@
+"""The pass: lift every dataflow block, form cascades, derive, and splice what proves out."""
+
+from __future__ import annotations
+
+from ..tvm_adapter import IRModule, current_target_kind, module_pass, relax
+from .frag import Unliftable
+from .group import Group, form_groups
+from .lift import Lifter
+from .report import FuseReport, GroupReport
+from .rewrite import check_kernel, derive_spec, kernel_for, splice
+
+ROUNDS = 4  # lift again with more matmuls kept outside, at most this often per block
+CASCADE_OPS = {"softmax", "log_softmax", "layer_norm", "rms_norm", "topk", "variance"}
+CPU_KINDS = (None, "llvm")  # the kernels are built with the CPU variants
+
+
+def fuse_module(mod: IRModule, check_build: bool = True) -> tuple[IRModule, FuseReport]:
+    """``mod`` with every provable cascade of its Relax functions fused, and the report.
+
+    The input module is not changed.  Each group is spliced into a copy that is kept only
+    when the kernel compiles (``check_build``) and the module stays well formed.
+
+    Examples
+    --------
+    >>> from redfuser.tvm_adapter import relax
+    >>> bb = relax.BlockBuilder()
+    >>> x = relax.Var("x", relax.TensorType((4, 32), "float32"))
+    >>> with bb.function("main", [x]):
+    ...     with bb.dataflow():
+    ...         y = bb.emit_output(relax.op.nn.softmax(x))
+    ...     gv = bb.emit_func_output(y)
+    >>> fused, report = fuse_module(bb.get())
+    >>> report.found, report.fused
+    (1, 1)
+    """
+    mod, entries = mod.clone(), []
+    kind = current_target_kind()
+    refuse = "" if kind in CPU_KINDS else f"target {kind} in scope: the pass emits CPU " \
+                                          "(llvm) kernels only"
+    options = (check_build, refuse)
+    for gv, func in list(mod.functions_items()):
+        if not isinstance(func, relax.Function):
+            continue
+        before = len(entries)
+        for index, block in enumerate(func.body.blocks):
+            if isinstance(block, relax.DataflowBlock):
+                mod = _fuse_block(mod, gv, func, index, options, entries)
+        if any(e.status == "fused" for e in entries[before:]):
+            mod = _cleanup(mod, gv)
+    return mod, FuseReport(tuple(entries))
+
+
+def _fuse_block(mod: IRModule, gv, func, index: int, options: tuple, entries: list):
+    try:
+        lifter, groups = plan_block(func, func.body.blocks[index])
+    except Exception as e:  # noqa: BLE001 - an analysis failure leaves the block alone
+        entries.append(GroupReport(_name(gv), (), (), "skipped",
+                                   f"block {index} not analysed: {type(e).__name__}: {e}"))
+        return mod
+    entries += _unlifted(_name(gv), lifter)
+    for group in groups:
+        mod, entry = apply_group(mod, gv, index, group, *options)
+        entries.append(entry)
+    return mod
+
+
+def plan_block(func, block) -> tuple[Lifter, list[Group]]:
+    """Lift and group; inlined matmuls that a per-element output would recompute, or that
+    keep a group from being derived, are kept as matmuls and the block is lifted again."""
+    keep = frozenset()
+    for _ in range(ROUNDS):
+        lifter = Lifter(func, block, keep).run()
+        groups, retry = form_groups(lifter), set()
+        for g in groups:
+            retry |= g.elem_dots
+            if not g.elem_dots and derive_spec(g.spec)[0] is None:
+                retry |= g.frag.dots
+        if retry <= keep:
+            break
+        keep |= retry
+    return lifter, groups
+
+
+def apply_group(mod: IRModule, gv, index: int, group: Group, check_build: bool = True,
+                refuse: str = ""):
+    """Splice one group into a copy of ``mod``; the copy is returned only if it checks.
+    ``refuse``: a reason to report the group skipped without trying (e.g. the target)."""
+    fname = _name(gv)
+    entry = dict(function=fname, values=group.values, ops=group.ops, spec=group.spec)
+    rule, reason = (None, refuse) if refuse else derive_spec(group.spec)
+    if rule is None:
+        return mod, GroupReport(status="skipped", reason=reason, **entry)
+    name = _fresh(mod, f"redfuser_{fname}")
+    try:
+        kernel = kernel_for(group, rule, name)
+        if check_build:
+            check_kernel(kernel)
+        bb = relax.BlockBuilder(mod.clone())
+        kgv = bb.add_func(kernel.func, name)
+        bb.update_func(gv, splice(bb.get()[gv], index, group, kgv, kernel))
+        candidate = bb.get()
+        relax.analysis.well_formed(candidate)
+    except Unliftable as e:
+        return mod, GroupReport(status="skipped", reason=str(e), **entry)
+    except Exception as e:  # noqa: BLE001 - a TVM error keeps the original, with the reason
+        first = str(e).strip().splitlines()[-1:] or [""]
+        return mod, GroupReport(status="skipped", reason=f"{type(e).__name__}: {first[0]}",
+                                **entry)
+    return candidate, GroupReport(status="fused", reason=str(kernel.plan), kernel=name,
+                                  **entry)
+
+
+def _unlifted(fname: str, lifter: Lifter) -> list[GroupReport]:
+    """Cascade ops (and any reduction on a symbolic shape) that could not be lifted."""
+    out = []
+    for var, (op, reason) in lifter.failures.items():
+        if op in CASCADE_OPS or "symbolic" in reason:
+            out.append(GroupReport(fname, (var.name,), (f"{op} {var.name}",), "skipped",
+                                   reason))
+    return out
+
+
+def _cleanup(mod: IRModule, gv) -> IRModule:
+    """Drop the bindings the fused kernels made dead (kept as is if that fails a check)."""
+    func = mod[gv]
+    if not isinstance(func, relax.Function):
+        return mod
+    candidate = mod.clone()
+    candidate[gv] = relax.analysis.remove_all_unused(func)
+    try:
+        relax.analysis.well_formed(candidate)
+    except Exception:  # noqa: BLE001
+        return mod
+    return candidate
+
+
+def _name(gv) -> str:
+    return getattr(gv, "name_hint", None) or str(gv).split(".")[-1].strip('"')
+
+
+def _fresh(mod: IRModule, base: str) -> str:
+    taken = {_name(g) for g in mod.get_global_vars()}
+    k = 0
+    while f"{base}_{k}" in taken:
+        k += 1
+    return f"{base}_{k}"
+
+
+@module_pass(opt_level=0, name="FuseCascadedReductions")
+class FuseCascadedReductions:
+    """A Relax module pass: every cascaded reduction that redfuser can prove becomes one
+    fused TensorIR kernel called with ``R.call_tir``; the rest is left as it was.
+
+    Run it on a high-level Relax module (before ``LegalizeOps``), e.g. first in a
+    pipeline.  After a run, ``pass_obj.report`` is the ``FuseReport`` of the last module
+    it transformed (cascades found, fused, skipped with reasons).
+
+    Parameters
+    ----------
+    check_build : bool
+        Compile each fused kernel alone before using it (default True).
+
+    Examples
+    --------
+    >>> from redfuser.tvm_adapter import relax
+    >>> bb = relax.BlockBuilder()
+    >>> x = relax.Var("x", relax.TensorType((8, 64), "float32"))
+    >>> with bb.function("main", [x]):
+    ...     with bb.dataflow():
+    ...         y = bb.emit_output(relax.op.nn.log_softmax(x))
+    ...     gv = bb.emit_func_output(y)
+    >>> fuse = FuseCascadedReductions()
+    >>> fused = fuse(bb.get())
+    >>> print(fuse.report.fused, fuse.report.groups[0].ops)
+    1 ('log_softmax gv',)
+    """
+
+    def __init__(self, check_build: bool = True):
+        self.check_build = check_build
+        self.report = FuseReport()
+
+    def transform_module(self, mod: IRModule, ctx) -> IRModule:
+        mod, self.report = fuse_module(mod, self.check_build)
+        return mod

@@ -1,0 +1,117 @@
+"""From lifted nodes to cascades: which values leave a kernel, and the spec that computes them.
+
+A *sink* is a lifted value that depends on a reduction and is read by something that was
+not lifted with it (another op, the function's result).  Sinks that share a reduction are
+computed by one kernel when their fragments fit one frame (one stream length, one
+feature length); otherwise each gets its own.  The spec of a group is the closure of its
+sinks' statements; a group is a *cascade* when a reduction or a per-element output reads
+an earlier reduction's result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..tvm_adapter import relax
+from .frag import Frag, Stmt, Unliftable, closure, merge
+from .lift import Lifter
+
+
+@dataclass
+class Group:
+    """One candidate kernel: its fragment, the Relax values it replaces, and its spec."""
+
+    frag: Frag
+    sinks: list = field(default_factory=list)  # (Relax var, Node)
+    spec: str = ""
+    outputs: dict = field(default_factory=dict)  # Relax var -> spec output names
+    needed: list = field(default_factory=list)  # statements of the spec, in order
+    elem_dots: frozenset = frozenset()  # inlined matmuls read again by per-element outputs
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.op for s in self.needed))
+
+    @property
+    def values(self) -> tuple[str, ...]:
+        return tuple(v.name for v, _ in self.sinks)
+
+
+def sinks(lf: Lifter) -> list:
+    """Lifted values with a reduction that something outside their own lifting reads."""
+    readers: dict = {}
+    for blk in lf.func.body.blocks:
+        for b in blk.bindings:
+            for v in relax.analysis.free_vars(b.value):
+                readers.setdefault(v, []).append(b.var)
+    for v in relax.analysis.free_vars(lf.func.body.body):
+        readers.setdefault(v, []).append(None)
+    return [(v, node) for v, node in lf.nodes.items() if node.frag.reduces
+            and any((r, v) not in lf.absorbed for r in readers.get(v, []))]
+
+
+def form_groups(lf: Lifter) -> list[Group]:
+    """Sinks sharing a reduction, one group per frame that holds them all."""
+    groups: list[Group] = []
+    for var, node in sinks(lf):
+        reds = _reductions(node.frag)
+        for g in groups:
+            if reds & _reductions(g.frag):
+                try:
+                    g.frag = merge([g.frag, node.frag], g.frag.frame, g.frag.n)
+                except Unliftable:
+                    continue
+                g.sinks.append((var, node))
+                break
+        else:
+            groups.append(Group(node.frag, [(var, node)]))
+    for g in groups:
+        _write_spec(g)
+    return [g for g in groups if is_cascade(g)]
+
+
+def _reductions(frag: Frag) -> set[str]:
+    return {name for name, s in frag.stmts.items() if s.kind == "red"}
+
+
+def _write_spec(g: Group):
+    """The spec text: needed statements in order, then one line per per-element output."""
+    lines, reads, dots = [], set(), frozenset()
+    for var, node in g.sinks:
+        names = []
+        for f in node.fields or (node,):
+            if f.kind == "elem":
+                out = "o" + f.text[1:]
+                lines.append(f"{out}[i] = {f.text}")
+                dots |= f.dots
+                names.append(out)
+            else:
+                names.append(f.text)
+            reads |= f.deps
+        g.outputs[var] = tuple(names)
+    g.needed = closure(g.frag.stmts, reads)
+    g.elem_dots = dots
+    g.spec = "\n".join([f"{s.name} = {s.text}" for s in g.needed] + list(dict.fromkeys(lines)))
+
+
+def is_cascade(g: Group) -> bool:
+    """Does a reduction, or a per-element value that is output, read an earlier result?"""
+    stmts = {s.name: s for s in g.needed}
+    results = {s.name for s in g.needed if s.kind != "let"}
+    readers = [s for s in g.needed if s.kind == "red"]
+    for _var, node in g.sinks:
+        readers += [stmts[f.text] for f in node.fields or (node,)
+                    if f.kind == "elem" and f.text in stmts]
+    return any(_reads_result(s, stmts, results) for s in readers)
+
+
+def _reads_result(stmt: Stmt, stmts: dict, results: set) -> bool:
+    todo, seen = list(stmt.deps), set()
+    while todo:
+        name = todo.pop()
+        if name in results:
+            return True
+        if name in stmts and name not in seen:
+            seen.add(name)
+            todo.extend(stmts[name].deps)
+    return False

@@ -1,0 +1,274 @@
+"""Lifting one Relax dataflow block into spec statements, binding by binding.
+
+Every binding whose op has an entry in ``ops.OPS`` becomes a ``Node``: the spec text of its
+value plus the fragment (statements and inputs) it needs.  Operands that are not lifted
+become kernel inputs, read as streams or per-row parameters by their broadcast shape.
+Nothing here changes the module; ``group.py`` decides what is worth fusing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..tvm_adapter import GenericConst, relax
+from .frag import Frag, Input, Stmt, Unliftable, merge, reframe
+
+MAX_TERMS = 4  # additive terms kept apart for distributing a matmul's sum over them
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """A lifted Relax value.
+
+    ``kind``: elem (per element of the stream), row (one value per row), vec (a per-row
+    feature vector, a matmul result), topk / index (k values or indices per row), tuple
+    (topk's pair, in ``fields``).  ``terms`` split an elem into additive parts; ``dots``
+    are the inlined matmuls (Relax vars) it reads through lets.
+    """
+
+    kind: str
+    frag: Frag
+    text: str
+    deps: frozenset[str]
+    shape: tuple[int, ...]
+    terms: tuple = ()
+    dots: frozenset = frozenset()
+    fields: tuple = ()
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An operand as the spec reads it: text, statements read, fragment (None: literal)."""
+
+    text: str
+    deps: frozenset[str] = frozenset()
+    frag: Frag | None = None
+    terms: tuple = ()
+    dots: frozenset = frozenset()
+
+    def term_list(self) -> tuple:
+        return self.terms or ((self.text, self.deps),)
+
+
+@dataclass(frozen=True, eq=False)
+class Ext:
+    """A value computed outside the kernel: a Relax expression, maybe with a prep op."""
+
+    source: object
+    shape: tuple[int, ...]
+    dtype: str
+    prep: tuple = ()
+
+
+def static_shape(ty) -> tuple[int, ...]:
+    """The integer shape of a tensor type; symbolic dimensions raise Unliftable."""
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        raise Unliftable(f"not a tensor of known rank ({ty})")
+    dims = []
+    for v in ty.shape.values:
+        if not hasattr(v, "value"):
+            raise Unliftable(f"symbolic dimension {v} in {ty}: only static shapes are fused")
+        dims.append(int(v.value))
+    return tuple(dims)
+
+
+def literal(value: float) -> str:
+    if math.isnan(value):
+        raise Unliftable("a NaN constant")
+    if math.isinf(value):
+        return "inf" if value > 0 else "(-inf)"
+    return repr(value) if value >= 0 else f"({value!r})"
+
+
+@dataclass
+class Lifter:
+    """Lifts the bindings of one dataflow block; ``materialise`` lists matmuls to keep."""
+
+    func: object
+    block: object
+    materialise: frozenset = frozenset()
+    nodes: dict = field(default_factory=dict)  # Relax var -> Node
+    failures: dict = field(default_factory=dict)  # Relax var -> (op, reason), seeds only
+    absorbed: set = field(default_factory=set)  # (consumer var, operand var) read as nodes
+    values: dict = field(default_factory=dict)  # every bound var of the function -> value
+    seq: int = 0
+    _inputs: list = field(default_factory=list)  # (Input, name)
+    _pending: list = field(default_factory=list)
+    current: object = None
+
+    def run(self) -> Lifter:
+        from .ops import OPS, SEEDS
+
+        for blk in self.func.body.blocks:
+            for b in blk.bindings:
+                self.values[b.var] = b.value
+        for b in self.block.bindings:
+            self.current, self._pending = b.var, []
+            value, op = b.value, _op_name(b.value)
+            handler = OPS.get(op)
+            if handler is None:
+                continue
+            try:
+                self.nodes[b.var] = handler(self, value, b.var.ty)
+                self.absorbed.update((b.var, v) for v in self._pending)
+            except Unliftable as e:
+                if op in SEEDS:
+                    self.failures[b.var] = (_short(op), str(e))
+            except Exception as e:  # noqa: BLE001 - an op form the table does not expect
+                if op in SEEDS:
+                    self.failures[b.var] = (_short(op), f"{type(e).__name__}: {e}")
+        return self
+
+    # Statements and inputs ------------------------------------------------------------
+    def stmt(self, text: str, kind: str, deps, op: str) -> Stmt:
+        self.seq += 1
+        return Stmt(self.seq, f"t{self.seq}", text, kind, frozenset(deps),
+                    f"{_short(op)} {self.current.name}")
+
+    def input(self, ext: Ext, kind: str, vector: bool, rows: tuple, frame, n, d=None):
+        """Register a kernel input; returns (spec reference, fragment holding it)."""
+        inp = Input(ext.source, kind, vector, tuple(rows), ext.prep)
+        name = next((name for known, name in self._inputs
+                     if known.source.same_as(inp.source) and known.prep == inp.prep
+                     and known.kind == kind and known.vector == vector), None)
+        if name is None:
+            name = f"x{len(self._inputs)}"
+            self._inputs.append((inp, name))
+        return inp.ref(name), Frag(tuple(frame), n, d, {}, {name: inp})
+
+    # Operands -------------------------------------------------------------------------
+    def node(self, expr) -> Node | None:
+        """The lifted node of ``expr`` (recorded as read by the current binding)."""
+        if isinstance(expr, relax.Var) and expr in self.nodes:
+            self._pending.append(expr)
+            return self.nodes[expr]
+        return None
+
+    def scalar(self, expr) -> float | None:
+        """The value of a float scalar constant (directly or through one binding)."""
+        if isinstance(expr, relax.Var) and isinstance(self.values.get(expr), GenericConst):
+            expr = self.values[expr]
+        if isinstance(expr, GenericConst):
+            array = expr.value.numpy()
+            if array.ndim == 0 and array.dtype.kind == "f":
+                return float(array)
+        return None
+
+    def ext(self, expr) -> Ext:
+        shape = static_shape(expr.ty)
+        return Ext(self.peel(expr), shape, str(expr.ty.dtype))
+
+    def peel(self, expr):
+        """Follow producers that keep element order (reshape, same-shape broadcast, expand,
+        squeeze): the kernel reshapes its inputs anyway, so those copies are not needed."""
+        while isinstance(expr, relax.Var) and isinstance(self.values.get(expr), relax.Call):
+            call = self.values[expr]
+            op = _op_name(call)
+            same = op == "relax.broadcast_to" and _same_shape(call.args[0], expr)
+            if op not in ("relax.reshape", "relax.expand_dims", "relax.squeeze") and not same \
+                    or not self.visible(call.args[0]):
+                break
+            expr = call.args[0]
+        return expr
+
+    def visible(self, expr) -> bool:
+        """Can the current block read ``expr``? (A dataflow var is local to its block.)"""
+        return not isinstance(expr, relax.DataflowVar) or any(
+            b.var.same_as(expr) for b in self.block.bindings)
+
+    def elem(self, expr, out: tuple) -> Operand:
+        """``expr`` read per element of a stream of length out[-1] on rows out[:-1]; a
+        lifted value that cannot be read so is read as the Relax value it is."""
+        if isinstance(expr, Ext):
+            return self._external(expr, out)
+        value = self.scalar(expr)
+        if value is not None:
+            return Operand(literal(value))
+        node = self.nodes.get(expr) if isinstance(expr, relax.Var) else None
+        if node is not None:
+            try:
+                operand = self._node_elem(node, out)
+                self._pending.append(expr)
+                return operand
+            except Unliftable:
+                pass
+        return self._external(self.ext(expr), out)
+
+    def _node_elem(self, node: Node, out: tuple) -> Operand:
+        frame, n = out[:-1], out[-1]
+        if node.kind == "row" and node.shape and node.shape[-1] == 1 and len(node.shape) > 1:
+            return Operand(node.text, node.deps, reframe(node.frag, frame))
+        if node.kind != "elem" or node.shape[-1] != n:
+            raise Unliftable(f"a {node.kind} value {node.shape} read per element of {out}")
+        return Operand(node.text, node.deps, reframe(node.frag, frame), node.terms, node.dots)
+
+    def row(self, expr, out: tuple, keep: bool) -> Operand:
+        """``expr`` read once per row; ``out`` is the row value's shape (keep: trailing 1)."""
+        value = self.scalar(expr)
+        if value is not None:
+            return Operand(literal(value))
+        frame = out[:-1] if keep else out
+        node = self.node(expr)
+        if node is None:
+            ext = self.ext(expr)
+            rows = _pad(ext.shape, len(out), out)
+            if keep and rows[-1] != 1:
+                raise Unliftable(f"{ext.shape} is not one value per row")
+            ref, frag = self.input(ext, "param", False, rows[:-1] if keep else rows, frame, 0)
+            return Operand(ref, frozenset(), frag)
+        if node.kind != "row" or _pad(node.shape, len(out), out) != tuple(out):
+            raise Unliftable(f"{node.kind} value {node.shape} read as a row value {out}")
+        return Operand(node.text, node.deps, reframe(node.frag, frame))
+
+    def _external(self, ext: Ext, out: tuple) -> Operand:
+        if ext.dtype != "float32":
+            raise Unliftable(f"input of dtype {ext.dtype} (the kernels compute in float32)")
+        shape = _pad(ext.shape, len(out), out)
+        if shape[-1] == out[-1] and out[-1] > 1:
+            ref, frag = self.input(ext, "stream", False, shape[:-1], out[:-1], out[-1])
+        elif shape[-1] == 1:
+            ref, frag = self.input(ext, "param", False, shape[:-1], out[:-1], out[-1])
+        else:
+            raise Unliftable(f"{ext.shape} does not broadcast to {out}")
+        return Operand(ref, frozenset(), frag)
+
+    def combine(self, operands: list[Operand], frame) -> Frag:
+        """One fragment for all non-literal operands (parameters carry no stream length)."""
+        frags = [o.frag for o in operands if o.frag is not None]
+        if not frags:
+            raise Unliftable("only constants")
+        lengths = {f.n for f in frags if f.n}
+        if len(lengths) > 1:
+            raise Unliftable(f"stream lengths {sorted(lengths)} differ")
+        return merge(frags, tuple(frame), lengths.pop() if lengths else 0)
+
+
+def _pad(shape: tuple, rank: int, out: tuple) -> tuple:
+    if len(shape) > rank:
+        raise Unliftable(f"{shape} has more axes than {out}")
+    shape = (1,) * (rank - len(shape)) + tuple(shape)
+    if any(s not in (1, o) for s, o in zip(shape, out, strict=True)):
+        raise Unliftable(f"{shape} does not broadcast to {out}")
+    return shape
+
+
+def _same_shape(a, b) -> bool:
+    try:
+        return static_shape(a.ty) == static_shape(b.ty)
+    except Unliftable:
+        return False
+
+
+def _op_name(value) -> str:
+    if isinstance(value, relax.TupleGetItem):
+        return "TupleGetItem"
+    if isinstance(value, relax.Tuple):
+        return "Tuple"
+    op = getattr(value, "op", None)
+    return getattr(op, "name", "") if isinstance(value, relax.Call) else ""
+
+
+def _short(op: str) -> str:
+    return op.replace("relax.nn.", "").replace("relax.", "")
+

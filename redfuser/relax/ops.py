@@ -1,0 +1,359 @@
+"""How each Relax op lifts into the spec language: one table entry per op.
+
+``OPS`` maps a Relax op name to its handler.  Elementwise ops are two templates tables;
+statistics ops (softmax, layer_norm, ...) are step tables; matmul, topk, where, gather and
+the shape ops have small handlers.  Reductions run over the last axis only (the stream);
+every other axis is a row axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from string import Formatter
+
+from ..tvm_adapter import relax
+from .frag import Unliftable, merge, reframe
+from .lift import MAX_TERMS, Ext, Lifter, Node, Operand, _pad, literal, static_shape
+
+UNARY = {  # Relax op -> spec template of its operand {0}
+    "relax.exp": "exp({0})",
+    "relax.log": "log({0})",
+    "relax.sqrt": "sqrt({0})",
+    "relax.rsqrt": "rsqrt({0})",
+    "relax.tanh": "tanh({0})",
+    "relax.sigmoid": "sigmoid({0})",
+    "relax.abs": "abs({0})",
+    "relax.erf": "erf({0})",
+    "relax.sin": "sin({0})",
+    "relax.cos": "cos({0})",
+    "relax.sign": "sign({0})",
+    "relax.floor": "floor({0})",
+    "relax.ceil": "ceil({0})",
+    "relax.square": "({0})**2",
+    "relax.negative": "(-{0})",
+    "relax.nn.relu": "relu({0})",
+    "relax.nn.silu": "({0} * sigmoid({0}))",  # x * sigmoid(x)
+    "relax.nn.gelu": "(0.5 * {0} * (1 + erf({0} * 0.7071067811865476)))",  # exact (erf) GELU
+    "relax.nn.gelu_tanh": "(0.5 * {0} * (1 + tanh(0.7978845608028654 * "
+                          "({0} + 0.044715 * ({0})**3))))",  # GELU, tanh approximation
+}
+
+BINARY = {  # Relax op -> spec template of its operands {0}, {1} (numpy broadcasting)
+    "relax.add": "({0} + {1})",
+    "relax.subtract": "({0} - {1})",
+    "relax.multiply": "({0} * {1})",
+    "relax.divide": "({0} / {1})",
+    "relax.power": "({0})**({1})",
+    "relax.maximum": "maximum({0}, {1})",
+    "relax.minimum": "minimum({0}, {1})",
+}
+
+STATS = {  # Relax op -> (steps, kind of the value, additive terms of the value).
+    # A step is (statement kind, template): red holds a reduction, epi is arithmetic on
+    # per-row results, let is per element.  {E} is the operand, {0}, {1}... the earlier
+    # steps, {eps} the op's epsilon; the value is the last step.
+    "relax.sum": ((("red", "sum({E})"),), "row", ()),
+    "relax.mean": ((("red", "sum({E}) / N"),), "row", ()),
+    "relax.max": ((("red", "max({E})"),), "row", ()),
+    "relax.min": ((("red", "min({E})"),), "row", ()),
+    "relax.variance": ((("red", "sum({E}) / N"), ("red", "sum(({E} - {0})**2) / N")), "row",
+                       ()),
+    "relax.argmax": ((("red", "argmax({E})"),), "index", ()),
+    "relax.argmin": ((("red", "argmin({E})"),), "index", ()),
+    # safe softmax: max, rescaled sum, normalised values
+    "relax.nn.softmax": ((("red", "max({E})"), ("red", "sum(exp({E} - {0}))"),
+                          ("let", "exp({E} - {0}) / {1}")), "elem", ()),
+    # log-softmax: x - logsumexp(x); the two terms stay apart for a later gather/sum
+    "relax.nn.log_softmax": ((("red", "max({E})"), ("red", "log(sum(exp({E} - {0}))) + {0}"),
+                              ("let", "{E} - {1}")), "elem", ("{E}", "(-{1})")),
+    # LayerNorm statistics and normalisation (gamma and beta follow as multiply and add)
+    "relax.nn.layer_norm": ((("red", "sum({E}) / N"), ("red", "sum(({E} - {0})**2) / N"),
+                             ("let", "({E} - {0}) / sqrt({1} + {eps})")), "elem", ()),
+    # RMSNorm (the weight follows as a multiply)
+    "relax.nn.rms_norm": ((("red", "sqrt(sum({E}**2) / N + {eps})"), ("let", "{E} / {0}")),
+                          "elem", ()),
+}
+
+SEEDS = {*STATS, "relax.topk", "relax.gather_elements"}  # ops that start a cascade
+
+
+def _fields(template: str) -> set[str]:
+    return {f for _, f, _, _ in Formatter().parse(template) if f is not None}
+
+
+def _new(lf: Lifter, template: str, ops: list[Operand], kind: str, op: str, frag):
+    """A statement from a template over operands; returns (statement, fragment)."""
+    stmt = lf.stmt(template.format(*[o.text for o in ops]), kind,
+                   frozenset().union(*(o.deps for o in ops)), op)
+    return stmt, frag.with_stmt(stmt)
+
+
+def _terms(op: str, ops: list[Operand]) -> tuple:
+    neg = tuple((f"(-{t})", d) for t, d in ops[-1].term_list())
+    terms = {"relax.add": lambda: ops[0].term_list() + ops[1].term_list(),
+             "relax.subtract": lambda: ops[0].term_list() + neg,
+             "relax.negative": lambda: neg}.get(op, lambda: ())()
+    return terms if len(terms) <= MAX_TERMS else ()
+
+
+def _context(lf: Lifter, args, out: tuple) -> str:
+    """Row arithmetic when every lifted operand is a per-row value of the output's shape;
+    per-element otherwise (row values then broadcast along the stream)."""
+    nodes = [lf.nodes[a] for a in args if a in lf.nodes]
+    if nodes and all(n.kind == "row" and len(n.shape) <= len(out)
+                     and (1,) * (len(out) - len(n.shape)) + n.shape == tuple(out)
+                     for n in nodes):
+        return "row"
+    if out and out[-1] > 1:
+        return "elem"
+    raise Unliftable(f"elementwise op of shape {out} on values that are not lifted")
+
+
+def elementwise(lf: Lifter, call, ty) -> Node:
+    op, out = call.op.name, static_shape(ty)
+    if str(ty.dtype) != "float32":
+        raise Unliftable(f"dtype {ty.dtype}")
+    template = UNARY.get(op) or BINARY[op]
+    if _context(lf, call.args, out) == "row":
+        keep = bool(out) and out[-1] == 1
+        ops = [lf.row(a, out, keep) for a in call.args]
+        frame = out[:-1] if keep else out
+        stmt, frag = _new(lf, template, ops, "epi", op, lf.combine(ops, frame))
+        return Node("row", frag, stmt.name, frozenset({stmt.name}), out)
+    ops = [lf.elem(a, out) for a in call.args]
+    stmt, frag = _new(lf, template, ops, "let", op, lf.combine(ops, out[:-1]))
+    return Node("elem", frag, stmt.name, frozenset({stmt.name}), out, _terms(op, ops),
+                frozenset().union(*(o.dots for o in ops)))
+
+
+def _last_axis(axis, rank: int):
+    axes = [axis] if isinstance(axis, int) else list(axis) if axis is not None else None
+    if axes is None or len(axes) != 1 or int(axes[0]) % max(rank, 1) != rank - 1:
+        raise Unliftable(f"reduces over axes {axes} of a rank-{rank} tensor, not the last one")
+
+
+def statistics(lf: Lifter, call, ty) -> Node:
+    op, data = call.op.name, call.args[0]
+    shape = static_shape(data.ty)
+    attrs = call.attrs
+    _last_axis(getattr(attrs, "axis", getattr(attrs, "axes", None)), len(shape))
+    if len(shape) < 1 or shape[-1] < 2:
+        raise Unliftable(f"nothing to reduce over: shape {shape}")
+    steps, kind, term_templates = STATS[op]
+    e = lf.elem(data, shape)
+    frag, names = e.frag, []
+    eps = literal(float(attrs.epsilon)) if hasattr(attrs, "epsilon") else ""
+    for step_kind, template in steps:
+        deps = set(e.deps) | {names[int(f)] for f in _fields(template) if f.isdigit()}
+        stmt = lf.stmt(template.format(*names, E=e.text, eps=eps), step_kind, deps, op)
+        frag, names = frag.with_stmt(stmt), [*names, stmt.name]
+    terms = tuple((t.format(*names, E=e.text), frozenset(
+        {names[int(f)] for f in _fields(t) if f.isdigit()}) | (e.deps if "E" in _fields(t)
+                                                              else frozenset()))
+                  for t in term_templates)
+    value = Node(kind, frag, names[-1], frozenset({names[-1]}), static_shape(ty), terms,
+                 e.dots if kind == "elem" else frozenset())
+    return _affine(lf, call, value) if op in ("relax.nn.layer_norm", "relax.nn.rms_norm") \
+        else value
+
+
+def _affine(lf: Lifter, call, value: Node) -> Node:
+    """LayerNorm's gamma and beta, RMSNorm's weight: a multiply, then an add."""
+    attrs, out = call.attrs, value.shape
+    steps = [("relax.multiply", call.args[1])] if getattr(attrs, "scale", True) else []
+    if getattr(attrs, "center", False):
+        steps.append(("relax.add", call.args[2]))
+    for op, arg in steps:
+        ops = [Operand(value.text, value.deps, value.frag, value.terms, value.dots),
+               lf.elem(arg, out)]
+        stmt, frag = _new(lf, BINARY[op], ops, "let", call.op.name,
+                          lf.combine(ops, out[:-1]))
+        value = Node("elem", frag, stmt.name, frozenset({stmt.name}), out, _terms(op, ops),
+                     value.dots)
+    return value
+
+
+def matmul(lf: Lifter, call, ty) -> Node:
+    a, b = call.args
+    out, sa, sb = static_shape(ty), static_shape(a.ty), static_shape(b.ty)
+    if len(sa) < 2 or len(sb) < 2 or str(ty.dtype) != "float32":
+        raise Unliftable("not a float32 matrix product")
+    node = lf.nodes.get(a)
+    if node is not None and node.kind == "elem" and node.frag.reduces:
+        return _contract(lf, a, b, sb, out)
+    if lf.current in lf.materialise:
+        raise Unliftable("kept as a matmul (its scores are needed outside)")
+    if node is not None and node.frag.reduces:
+        raise Unliftable("a reduced value used as a matrix")
+    return _dot(lf, a, b, sa, sb, out)
+
+
+def _contract(lf: Lifter, a, b, sb: tuple, out: tuple) -> Node:
+    """A streamed left side times a weight: sum over the stream of a[i] * w[i, :]."""
+    k, p = sb[-2], sb[-1]
+    if p < 2:
+        raise Unliftable("a product with a single column")
+    e = lf.elem(a, out[:-1] + (k,))
+    frame = out[:-1]
+    rows = _pad(sb[:-2], len(frame) - 1, out[:-2]) + (1,)
+    ref, wfrag = lf.input(lf.ext(b), "stream", True, rows, frame, k, p)
+    frag = merge([e.frag, wfrag], frame, k)
+    if frag.d != p:
+        raise Unliftable(f"two feature lengths ({frag.d} and {p}) in one kernel")
+    terms = e.term_list()
+    text = " + ".join(f"sum(({t}) * {ref})" for t, _ in terms)
+    stmt = lf.stmt(text, "red", frozenset().union(*(d for _, d in terms)), "relax.matmul")
+    return Node("vec", frag.with_stmt(stmt), stmt.name, frozenset({stmt.name}), out)
+
+
+def _dot(lf: Lifter, a, b, sa: tuple, sb: tuple, out: tuple) -> Node:
+    """Scores q @ k^T: one element of the stream per column, dot(q[:], k[i, :])."""
+    m, k, p = sa[-2], sa[-1], sb[-1]
+    if p < 2 or k < 2:
+        raise Unliftable("a product with a single row or column")
+    frame = out[:-1]
+    arows = _pad(sa[:-2], len(out) - 2, out[:-2]) + (m,)
+    brows = _pad(sb[:-2], len(out) - 2, out[:-2]) + (1,)
+    aref, afrag = lf.input(lf.ext(a), "param", True, arows, frame, p, k)
+    bref, bfrag = lf.input(_transposed(lf, b), "stream", True, brows, frame, p, k)
+    frag = merge([afrag, bfrag], frame, p)
+    stmt = lf.stmt(f"dot({aref}, {bref})", "let", frozenset(), "relax.matmul")
+    frag = dataclasses.replace(frag.with_stmt(stmt), dots=frozenset({lf.current}))
+    return Node("elem", frag, stmt.name, frozenset({stmt.name}), out,
+                dots=frozenset({lf.current}))
+
+
+def _transposed(lf: Lifter, b) -> Ext:
+    """b with its last two axes swapped: the producer's input when b is a transpose (seen
+    through reshapes of the leading axes and same-shape broadcasts), else a permute_dims."""
+    expr, shape = b, static_shape(b.ty)
+    while isinstance(call := lf.values.get(expr), relax.Call) and lf.visible(call.args[0]):
+        op, inner = call.op.name, static_shape(call.args[0].ty)
+        rank = len(shape)
+        if op == "relax.permute_dims":
+            axes = list(call.attrs.axes) if call.attrs.axes is not None else None
+            if axes == [*range(rank - 2), rank - 1, rank - 2] or (axes is None and rank == 2):
+                return lf.ext(call.args[0])
+            break
+        keeps = op == "relax.reshape" and inner[-2:] == shape[-2:]
+        if not (keeps or (op == "relax.broadcast_to" and inner == shape)):
+            break
+        expr, shape = call.args[0], inner
+    sb = static_shape(b.ty)
+    return Ext(b, sb[:-2] + (sb[-1], sb[-2]), str(b.ty.dtype), ("T",))
+
+
+def topk(lf: Lifter, call, ty) -> Node:
+    data, attrs = call.args[0], call.attrs
+    shape = static_shape(data.ty)
+    _last_axis(attrs.axis, len(shape))
+    if not attrs.largest or str(attrs.dtype) != "int64":
+        raise Unliftable("topk needs largest=True and int64 indices")
+    e, k = lf.elem(data, shape), int(attrs.k)
+    # k = 1 is torch's max(dim)/min(dim): a per-row maximum and its index
+    ops = ("max", "argmax", "row") if k == 1 else ("topk", "argtopk", "topk")
+    values = lf.stmt(f"{ops[0]}({e.text}{'' if k == 1 else f', {k}'})", "red", e.deps,
+                     "relax.topk")
+    indices = lf.stmt(f"{ops[1]}({e.text}{'' if k == 1 else f', {k}'})", "red", e.deps,
+                      "relax.topk")
+    frag = e.frag.with_stmt(values).with_stmt(indices)
+    out = shape[:-1] + (k,)
+    pair = (Node(ops[2], frag, values.name, frozenset({values.name}), out),
+            Node("index", frag, indices.name, frozenset({indices.name}), out))
+    ret = str(attrs.ret_type)
+    return Node("tuple", frag, "", frozenset(), out, fields=pair) if ret == "both" else \
+        pair[0 if ret == "values" else 1]
+
+
+def make_tuple(lf: Lifter, value, ty) -> Node:
+    """topk's pair packed again (torch's max(dim) does): a tuple of one topk's fields."""
+    fields = tuple(lf.nodes.get(f) for f in value.fields)
+    if len(fields) != 2 or any(f is None or f.frag is not fields[0].frag for f in fields) \
+            or fields[1].kind != "index":
+        raise Unliftable("a tuple of values that are not one topk's fields")
+    fields = tuple(lf.node(f) for f in value.fields)
+    return Node("tuple", fields[0].frag, "", frozenset(), fields[0].shape, fields=fields)
+
+
+def tuple_item(lf: Lifter, item, ty) -> Node:
+    node = lf.node(item.tuple_value)
+    if node is None or node.kind != "tuple":
+        raise Unliftable("not a lifted tuple")
+    return node.fields[int(item.index)]
+
+
+def where(lf: Lifter, call, ty) -> Node:
+    """where(c, K, e) with K = -inf (or |K| >= 1e30) is e + where(c, K, 0): a mask input."""
+    cond, a, b = call.args
+    ka, kb = lf.scalar(a), lf.scalar(b)
+    if (ka is None) == (kb is None):
+        raise Unliftable("where() with two computed branches (the spec has no select)")
+    k, other = (ka, b) if ka is not None else (kb, a)
+    if not (k == float("-inf") or abs(k) >= 1e30):
+        raise Unliftable(f"where() with the constant {k}: only -inf or |K| >= 1e30 masks "
+                         "are exact as an additive mask")
+    out = static_shape(ty)
+    if str(cond.ty.dtype) != "bool" or not out or out[-1] < 2:
+        raise Unliftable("where() needs a boolean condition over the stream")
+    mask = Ext(cond, static_shape(cond.ty), "float32", ("mask", k, ka is not None))
+    ops = [lf.elem(other, out), lf.elem(mask, out)]
+    stmt, frag = _new(lf, BINARY["relax.add"], ops, "let", "relax.where",
+                      lf.combine(ops, out[:-1]))
+    return Node("elem", frag, stmt.name, frozenset({stmt.name}), out,
+                _terms("relax.add", ops), ops[0].dots)
+
+
+def gather(lf: Lifter, call, ty) -> Node:
+    """gather_elements(y, t) along the stream (cross-entropy's pick of the target's
+    log-probability): sum(y[i] * (1 - sign(abs(i - t)))), an exact indicator for integer i, t."""
+    data, index = call.args
+    shape, out = static_shape(data.ty), static_shape(ty)
+    _last_axis(call.attrs.axis, len(shape))
+    node = lf.nodes.get(data)
+    if node is None or node.kind != "elem" or out[-1] != 1 or shape[-1] >= 2 ** 24:
+        raise Unliftable("gather of a value that is not lifted, or of more than one column")
+    e = lf.elem(data, shape)
+    ref, ifrag = lf.input(Ext(index, out, "float32", ("float",)), "param", False, out[:-1],
+                          shape[:-1], shape[-1])
+    frag = merge([e.frag, ifrag], shape[:-1], shape[-1])
+    terms = e.term_list()
+    text = " + ".join(f"sum(({t}) * (1 - sign(abs(i - {ref}))))" for t, _ in terms)
+    stmt = lf.stmt(text, "red", frozenset().union(*(d for _, d in terms)),
+                   "relax.gather_elements")
+    return Node("row", frag.with_stmt(stmt), stmt.name, frozenset({stmt.name}), out)
+
+
+def reshape(lf: Lifter, call, ty) -> Node:
+    """Shape ops on a lifted value: the stream axis stays, the rows move (frag.reframe)."""
+    node = lf.node(call.args[0])
+    if node is None or node.kind == "tuple":
+        raise Unliftable("not a lifted value")
+    out = static_shape(ty)
+    if call.op.name == "relax.astype" and str(ty.dtype) != str(call.args[0].ty.dtype):
+        raise Unliftable(f"a cast to {ty.dtype}")
+    if call.op.name == "relax.permute_dims" and out != node.shape:
+        raise Unliftable("a transpose of a lifted value")
+    if out == node.shape:
+        return node
+    if node.kind == "row":
+        keep = bool(out) and out[-1] == 1 and len(out) > 1
+        frame = out[:-1] if keep else out
+    elif out and out[-1] == node.shape[-1]:
+        frame = out[:-1]
+    else:
+        raise Unliftable(f"a reshape {node.shape} -> {out} that moves the stream axis")
+    return dataclasses.replace(node, frag=reframe(node.frag, frame), shape=out)
+
+
+OPS = {
+    **dict.fromkeys([*UNARY, *BINARY], elementwise),
+    **dict.fromkeys(STATS, statistics),
+    "relax.matmul": matmul,
+    "relax.topk": topk,
+    "TupleGetItem": tuple_item,
+    "Tuple": make_tuple,
+    "relax.where": where,
+    "relax.gather_elements": gather,
+    **dict.fromkeys(["relax.reshape", "relax.expand_dims", "relax.squeeze",
+                     "relax.broadcast_to", "relax.astype", "relax.permute_dims"], reshape),
+}

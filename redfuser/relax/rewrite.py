@@ -1,0 +1,158 @@
+"""Replacing a group: its fused PrimFunc, one call_tir, and the checks that keep a module whole.
+
+Each group is applied to a copy of the module; the copy is kept only if the kernel built
+and the module is well formed, so a module is never left half rewritten.  The group's
+inputs are reshaped to the kernel's (R_in, L, F) convention, its outputs reshaped back
+and bound to the very Relax variables they replace, so every other binding is untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
+
+import numpy as np
+
+from algebra import NotFusable, SpecError, derive
+from algebra.layout import Layout
+
+from ..analysis import geometry
+from ..plan import choose
+from ..tvm_adapter import build, cpu_target, relax, with_root_block
+from ..variants import build_primfunc, elementwise_width, result_dtype, result_width
+from .frag import Unliftable
+from .group import Group
+from .lift import static_shape
+
+
+@lru_cache(maxsize=512)
+def derive_spec(spec: str) -> tuple:
+    """(rule, "") or (None, why not); the engine's refusals become reasons (cached: a
+    derivation depends on the text only)."""
+    try:
+        return derive(spec), ""
+    except (NotFusable, SpecError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - any engine failure leaves the group alone
+        return None, f"derivation failed: {type(e).__name__}: {e}"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A fused PrimFunc and how a Relax call reaches it."""
+
+    name: str
+    func: object
+    inputs: tuple  # (spec name, Input, (R_in, L, F)) in the PrimFunc's order
+    outputs: tuple  # (spec name, shape, dtype) in the PrimFunc's order
+    plan: object
+
+
+def kernel_for(group: Group, rule, name: str) -> Kernel:
+    """The PrimFunc of ``rule`` on the group's shapes (the array convention of layout.py)."""
+    frag = group.frag
+    names = sorted(s.name for s in (*rule.cascade.streams, *rule.cascade.params))
+    arrays = {}
+    for nm in names:
+        inp = frag.inputs[nm]
+        tail = (frag.n if inp.kind == "stream" else 1, frag.d if inp.vector else 1)
+        arrays[nm] = np.broadcast_to(np.float32(0), inp.rows + tail)  # shapes only
+    vector = frozenset(nm for nm in names if frag.inputs[nm].vector)
+    geo = geometry(rule, Layout(frag.frame, frag.n, frag.d, np.dtype(np.float32), arrays,
+                                vector))
+    plan = choose(rule, geo, target="cpu")
+    func = _relax_callee(build_primfunc(rule, geo, plan, name, "cpu"))
+    inputs = tuple((nm, frag.inputs[nm], (g.count, g.length, g.width))
+                   for nm, g in sorted(geo.inputs.items()))
+    outputs = []
+    for out in rule.outputs:
+        if out in rule.cascade.elementwise:
+            outputs.append((out, (geo.r, geo.n, elementwise_width(rule, geo, out)), "float32"))
+        else:
+            outputs.append((out, (geo.r, result_width(rule, geo, out)), result_dtype(rule, out)))
+    return Kernel(name, func, inputs, tuple(outputs), plan)
+
+
+def _relax_callee(func):
+    """Relax's passes read a PrimFunc's root block (reshape detection) and skip functions
+    marked scheduled (dlight): wrap the body in a root block, mark it scheduled and opaque
+    (op_pattern 8) so that FuseOps leaves it whole."""
+    func = with_root_block(func)
+    return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
+
+
+def check_kernel(kernel: Kernel):
+    """Compile the PrimFunc alone: a kernel TVM cannot build never enters the module."""
+    build(kernel.func, cpu_target())
+
+
+def splice(func, block_index: int, group: Group, gv, kernel: Kernel):
+    """``func`` with the group's values computed by one call of ``gv``."""
+    block = func.body.blocks[block_index]
+    bb, new = relax.BlockBuilder(), []
+
+    def bind(value, name: str):
+        value = bb.normalize(value)
+        var = relax.DataflowVar(name, value.ty)
+        new.append(relax.VarBinding(var, value))
+        return var
+
+    args = [bind(relax.op.reshape(_prepared(inp, shape, bind), shape), f"{kernel.name}_{nm}")
+            for nm, inp, shape in kernel.inputs]
+    types = [relax.TensorType(shape, dtype) for _, shape, dtype in kernel.outputs]
+    call = bind(relax.call_tir(gv, args, types), kernel.name)
+    index = {name: k for k, (name, _, _) in enumerate(kernel.outputs)}
+    for var, node in group.sinks:
+        parts = []
+        for field, out in zip(node.fields or (node,), group.outputs[var], strict=True):
+            shape = field.shape if node.fields else static_shape(var.ty)
+            if prod(shape) != prod(kernel.outputs[index[out]][1]):
+                raise Unliftable(f"output {var.name} {shape} does not match the kernel's "
+                                 f"{kernel.outputs[index[out]][1]}")
+            item = bind(relax.TupleGetItem(call, index[out]), f"{kernel.name}_{out}")
+            parts.append(relax.op.reshape(item, shape))
+        value = parts[0] if len(parts) == 1 else relax.Tuple(
+            [bind(p, f"{var.name}_{k}") for k, p in enumerate(parts)])
+        new.append(relax.VarBinding(var, bb.normalize(value)))
+    replaced = {var for var, _ in group.sinks}
+    first = next(k for k, b in enumerate(block.bindings) if b.var in replaced)
+    kept = [b for b in block.bindings if b.var not in replaced]
+    bindings = _topological(kept[:first] + new + kept[first:])
+    blocks = list(func.body.blocks)
+    blocks[block_index] = relax.DataflowBlock(bindings)
+    return bb.normalize(relax.Function(func.params, relax.SeqExpr(blocks, func.body.body),
+                                       func.ret_ty, func.is_pure, func.attrs))
+
+
+def _prepared(inp, shape: tuple, bind):
+    """The input's Relax value before its reshape: transposed, a mask, or a float index."""
+    e, prep = inp.source, inp.prep
+    if prep == ("T",):
+        rank = len(static_shape(e.ty))
+        e = bind(relax.op.permute_dims(e, [*range(rank - 2), rank - 1, rank - 2]), "rf_t")
+    elif prep and prep[0] == "mask":
+        k, zero = relax.const(prep[1], "float32"), relax.const(0.0, "float32")
+        e = bind(relax.op.where(e, k, zero) if prep[2] else relax.op.where(e, zero, k),
+                 "rf_mask")
+    elif prep == ("float",):
+        e = bind(relax.op.astype(e, "float32"), "rf_index")
+    if prod(static_shape(e.ty)) != prod(shape):
+        raise Unliftable(f"input {static_shape(e.ty)} cannot be read as {shape}")
+    return e
+
+
+def _topological(bindings: list) -> list:
+    """Stable order in which every binding follows what it reads (a dataflow block is pure,
+    so any such order computes the same values)."""
+    bound = {b.var for b in bindings}
+    needs = [{v for v in relax.analysis.free_vars(b.value) if v in bound} for b in bindings]
+    done, order, pending = set(), [], list(range(len(bindings)))
+    while pending:
+        ready = next((k for k in pending if needs[k] <= done), None)
+        if ready is None:
+            raise Unliftable("an input of the kernel is computed from one of its outputs")
+        pending.remove(ready)
+        order.append(bindings[ready])
+        done.add(bindings[ready].var)
+    return order

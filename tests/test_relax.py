@@ -1,0 +1,256 @@
+"""FuseCascadedReductions on Relax modules imported from PyTorch, and on three real models.
+
+Every fused module is compiled for this CPU and compared with PyTorch.  Tolerance: the
+fused kernels run each cascade in one float32 pass (sums reassociated, rescaled by the
+derived rule, a polynomial exp with relative error 8.5e-8), so outputs of magnitude
+O(1-10) after sums of up to 256 terms differ from PyTorch's float32 by a few ulp times the
+accumulation length: atol = rtol = 2e-5 holds with room (measured errors are ~5e-7).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from redfuser.examples.models import examples
+from redfuser.relax import FuseCascadedReductions, build, fuse_module, run
+from redfuser.tvm_adapter import import_torch, relax, structural_equal
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+def _torch_outputs(model, args) -> list[np.ndarray]:
+    with torch.no_grad():
+        out = model(*args)
+    return [o.numpy() for o in (out if isinstance(out, tuple) else (out,))]
+
+
+def _fused(model, args):
+    """(report, fused outputs, PyTorch outputs) of a model built with the pass."""
+    mod = import_torch(model.eval(), args)
+    executable, report = build(mod, fuse=True)
+    got = run(executable, *[a.numpy() for a in args])
+    return report, got, _torch_outputs(model, args)
+
+
+class Attention(nn.Module):
+    """Scaled scores, an optional additive mask or causal masked_fill, softmax, values."""
+
+    def __init__(self, mask: str = "none"):
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, q, k, v, m):
+        s = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1]))
+        if self.mask == "additive":
+            s = s + m
+        elif self.mask == "causal":
+            s = s.masked_fill(torch.ones_like(m).tril() == 0, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+
+
+class NormLinear(nn.Module):
+    def __init__(self, norm: str, linear: bool, d: int = 48):
+        super().__init__()
+        self.norm, self.weight = norm, nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.ln, self.rms = nn.LayerNorm(d), nn.RMSNorm(d, eps=1e-6)
+        self.lin = nn.Linear(d, 24) if linear else nn.Identity()
+
+    def forward(self, x):
+        if self.norm in ("layernorm", "nn.RMSNorm"):
+            y = (self.ln if self.norm == "layernorm" else self.rms)(x)
+        else:  # RMSNorm as Llama writes it
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return self.lin(y)
+
+
+class LogSoftmax(nn.Module):
+    def forward(self, x, t):
+        return F.log_softmax(x, dim=-1), F.cross_entropy(x, t)
+
+
+class Router(nn.Module):
+    def forward(self, logits):
+        w, idx = torch.topk(torch.softmax(logits, dim=-1), 2, dim=-1)
+        return w / w.sum(-1, keepdim=True), idx
+
+
+def _attention_args(mask: str):
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 16, 8, generator=g) for _ in range(3))
+    m = torch.randn(16, 16, generator=g)
+    if mask == "additive":  # padding-style -inf: leading keys (the running max starts at
+        m[:, :3] = float("-inf")  # -inf), a block, a row with one visible key; never a
+        m[2:4, 9:12] = float("-inf")  # whole row (that is NaN in PyTorch too)
+        m[5, :15] = float("-inf")
+    return q, k, v, m
+
+
+def _x(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+
+
+PATTERNS = {  # name -> (model, inputs, cascades fused, ops every fused kernel must contain)
+    "attention": (Attention("none"), _attention_args("none"), 1, {"matmul", "softmax"}),
+    "attention_additive_mask": (Attention("additive"), _attention_args("additive"), 1,
+                                {"matmul", "add", "softmax"}),
+    "attention_causal": (Attention("causal"), _attention_args("causal"), 1,
+                         {"matmul", "where", "softmax"}),
+    "layernorm": (NormLinear("layernorm", False), (_x(2, 6, 48),), 1, {"layer_norm"}),
+    "rmsnorm": (NormLinear("rmsnorm", False), (_x(2, 6, 48),), 1, {"mean", "rsqrt"}),
+    "nn_rmsnorm": (NormLinear("nn.RMSNorm", False), (_x(2, 6, 48),), 1, {"mean", "rsqrt"}),
+    "layernorm_linear": (NormLinear("layernorm", True), (_x(2, 6, 48),), 1,
+                         {"layer_norm", "matmul"}),
+    "rmsnorm_linear": (NormLinear("rmsnorm", True), (_x(2, 6, 48),), 1, {"mean", "matmul"}),
+    "log_softmax_cross_entropy": (LogSoftmax(), (_x(8, 40), torch.arange(8) * 3), 2,
+                                  {"log_softmax"}),
+    "softmax_topk": (Router(), (_x(10, 8),), 2, set()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_pattern_fused_and_matches_pytorch(name):
+    model, args, count, ops = PATTERNS[name]
+    report, got, expected = _fused(model, args)
+    assert (report.found, report.fused) == (count, count), str(report)
+    for group in report.groups:
+        assert ops <= {o.split()[0] for o in group.ops}, str(group)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, **TOL)
+
+
+def test_router_fuses_topk_and_renormalisation():
+    report, got, expected = _fused(Router(), (_x(10, 8),))
+    kinds = [{o.split()[0] for o in g.ops} for g in report.groups]
+    assert {"softmax", "topk"} <= kinds[0] and {"sum", "divide"} <= kinds[1]
+    np.testing.assert_array_equal(got[1], expected[1])  # expert ids exactly
+
+
+def test_fused_matches_unfused_build():
+    model, args = Attention("causal"), _attention_args("causal")
+    mod = import_torch(model, args)
+    arrays = [a.numpy() for a in args]
+    fused = run(build(mod, fuse=True)[0], *arrays)
+    unfused = run(build(mod, fuse=False)[0], *arrays)
+    np.testing.assert_allclose(fused[0], unfused[0], **TOL)
+
+
+class Unfusable(nn.Module):
+    """sum(relu(x - max(x))): the kink moves with the running max (no one-pass form);
+    a plain softmax next to it is fused."""
+
+    def forward(self, x):
+        return torch.relu(x - x.max(-1, keepdim=True).values).sum(-1), torch.softmax(x, -1)
+
+
+def test_unfusable_group_left_untouched_with_reason():
+    report, got, expected = _fused(Unfusable(), (_x(4, 32),))
+    skipped = [g for g in report.groups if g.status == "skipped"]
+    assert report.fused == 1 and len(skipped) == 1
+    assert "NotFusable" in skipped[0].reason and "relu" in skipped[0].reason
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, **TOL)
+
+
+def test_failed_kernel_build_keeps_the_module_whole(monkeypatch):
+    from redfuser.relax import driver
+
+    def refuse(kernel):
+        raise RuntimeError("simulated codegen failure")
+
+    monkeypatch.setattr(driver, "check_kernel", refuse)
+    mod = import_torch(Attention("none"), _attention_args("none"))
+    fused, report = fuse_module(mod)
+    assert (report.found, report.fused) == (1, 0)
+    assert "simulated codegen failure" in report.groups[0].reason
+    assert structural_equal(fused, mod)
+
+
+def test_symbolic_sequence_length_is_reported_skipped():
+    from torch.export import Dim, export
+    from tvm.relax.frontend.torch import from_exported_program
+
+    model = NormLinear("rmsnorm", False)
+    with torch.no_grad():
+        program = export(model, (_x(2, 6, 48),), dynamic_shapes={"x": {1: Dim("seq", max=64)}})
+    mod = from_exported_program(program)
+    fused, report = fuse_module(mod)
+    assert report.found >= 1 and report.fused == 0
+    assert all("symbolic" in g.reason for g in report.groups)
+    assert structural_equal(fused, mod)
+
+
+def test_pass_in_a_pipeline_exposes_its_report():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((6, 40), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.softmax(x))
+            z = bb.emit_output(relax.op.nn.layer_norm(y, relax.const(np.ones(40, "float32")),
+                                                      relax.const(np.zeros(40, "float32")),
+                                                      axes=[-1]))
+        bb.emit_func_output(z)
+    fuse = FuseCascadedReductions()
+    from redfuser.tvm_adapter import Sequential
+
+    out = Sequential([fuse, relax.transform.LegalizeOps()])(bb.get())
+    # softmax feeds layer_norm over the same axis: one cascade of four reductions
+    assert (fuse.report.found, fuse.report.fused) == (1, 1)
+    assert {"softmax", "layer_norm"} <= {o.split()[0] for o in fuse.report.groups[0].ops}
+    assert out.script().count("R.call_tir(cls.redfuser_main_") == 1
+
+
+def test_relax_native_rms_norm_and_variance():
+    """Ops PyTorch's importer does not emit (R.nn.rms_norm, R.variance) lift as well."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((5, 64), "float32"))
+    w = np.linspace(0.5, 1.5, 64, dtype="float32")
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.rms_norm(x, relax.const(w), axes=[-1], epsilon=1e-5))
+            v = bb.emit(relax.op.variance(x, axis=[-1], keepdims=True))
+            out = bb.emit_output(relax.Tuple([y, v]))
+        bb.emit_func_output(out)
+    executable, report = build(bb.get())
+    assert (report.found, report.fused) == (2, 2), str(report)
+    a = np.random.default_rng(3).normal(size=(5, 64)).astype("float32")
+    got = run(executable, a)
+    rms = np.sqrt((a.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-5)
+    np.testing.assert_allclose(got[0], a / rms * w, **TOL)
+    np.testing.assert_allclose(got[1], a.astype(np.float64).var(-1, keepdims=True), **TOL)
+
+
+def test_non_cpu_target_reports_and_keeps_the_module():
+    from redfuser.tvm_adapter import cuda_target, tvm
+
+    mod = import_torch(Attention("none"), _attention_args("none"))
+    with tvm.target.Target(cuda_target()):
+        fused, report = fuse_module(mod)
+    assert (report.found, report.fused) == (1, 0) and "cuda" in report.groups[0].reason
+    assert structural_equal(fused, mod)
+
+
+def test_function_without_dataflow_is_unchanged():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 16), "float32"))
+    with bb.function("main", [x]):
+        y = bb.emit(relax.op.nn.softmax(x))
+        bb.emit_func_output(y)
+    mod = bb.get()
+    fused, report = fuse_module(mod)
+    assert report.found == 0 and structural_equal(fused, mod)
+
+
+@pytest.mark.parametrize("example", examples(), ids=lambda e: e.name)
+def test_real_model_matches_pytorch(example):
+    """Export, import, compile with the pass on CPU; every cascade the model contains
+    (stated in models.py) is found and fused."""
+    report, got, expected = _fused(example.model, example.inputs)
+    assert report.found == report.fused == example.cascades, str(report)
+    for g, e in zip(got, expected, strict=True):
+        np.testing.assert_allclose(g, e, **TOL)
