@@ -193,24 +193,31 @@ class Emitter:
                                    for d in e.atoms(_Dot())}, key=str)}
 
     def _dot(self, dot, r, i):
-        """VECTOR partial sums over the feature axis, then a halving tree: a scalar chain of
-        D dependent adds would bound attention by the add latency (4 cycles per feature)."""
+        return self.dot_rows(dot, [r], i)[0]
+
+    def dot_rows(self, dot, rows, i) -> list:
+        """The dot product of element i for each of ``rows``, as VECTOR partial sums over the
+        feature axis then a halving tree (a scalar chain of D dependent adds would bound
+        attention by the add latency); the rows share each load of a streamed operand."""
         d, vector = self.geo.d, self.plan.lanes == 1 and self.plan.threads == 1
         width = VECTOR if vector and d % VECTOR == 0 else 1
-        acc = T.alloc_buffer((width,), F32, scope="local")
+        accs = [T.alloc_buffer((width,), F32, scope="local") for _ in rows]
         with (T.vectorized(0, width) if width > 1 else _Const0()) as lane:
-            T.buffer_store(acc, const(0), [lane])
+            for acc in accs:
+                T.buffer_store(acc, const(0), [lane])
         with T.serial(0, d // width) as c:
             with (T.vectorized(0, width) if width > 1 else _Const0()) as lane:
-                look = self.base_lookup(r, i, c * width + lane)
-                T.buffer_store(acc, acc[lane] + self.expr(dot.args[0], look) *
-                               self.expr(dot.args[1], look), [lane])
+                for acc, r in zip(accs, rows, strict=True):
+                    look = self.base_lookup(r, i, c * width + lane)
+                    T.buffer_store(acc, acc[lane] + self.expr(dot.args[0], look) *
+                                   self.expr(dot.args[1], look), [lane])
         half = width // 2
         while half >= 1:
             with (T.vectorized(0, half) if half > 1 else _Const0()) as lane:
-                T.buffer_store(acc, acc[lane] + acc[lane + half], [lane])
+                for acc in accs:
+                    T.buffer_store(acc, acc[lane] + acc[lane + half], [lane])
             half //= 2
-        return acc[0]
+        return [acc[0] for acc in accs]
 
     def _count(self, st: States, lane):
         """The lane's count before this step (None when the rule keeps no count)."""
@@ -242,44 +249,6 @@ class Emitter:
                     st.set(name, lane, st.get(name, lane, slot) *
                            self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
         self.hold(st, lane, moved)
-
-    def tile_dots(self, r, base, count: int):
-        """Dot products of elements base .. base + count - 1 into a local buffer, computed
-        once; returns k -> {dot: value at element base + k}."""
-        found = sorted({d for c in self.rule.components for e in _exprs(c)
-                        for d in e.atoms(_Dot())}, key=str)
-        if not found:
-            return None
-        cache = T.alloc_buffer((len(found), count), F32, scope="local")
-        with T.serial(0, count) as k:
-            for j, dot in enumerate(found):
-                T.buffer_store(cache, self._dot(dot, r, base + k), [j, k])
-        return lambda k: {dot: cache[j, k] for j, dot in enumerate(found)}
-
-    def tile_bases(self, st: States, comps, lane, r, base, count: int, dots) -> list:
-        """One-lane tiles: the slot-invariant parts of the bases of ``comps`` for every
-        element of the tile, in one loop vectorized over the elements (attention's
-        exp(s - m) for 16 keys at once instead of one scalar exp per key).  Returns, per
-        comp, None or (basis with those parts as symbols, k -> {symbol: value at base + k})."""
-        split = [_split_invariant(c.basis, set(self.geo.vec))
-                 if isinstance(c, LinearComponent) else None for c in comps]
-        parts = [(e, sym) for one in split if one for e, sym in one[1].items()]
-        if not parts:
-            return [None] * len(comps)
-        cache = T.alloc_buffer((len(parts), count), F32, scope="local")
-        names = sorted({a.name for c in comps for a in c.anchors
-                        if isinstance(c, LinearComponent)})
-        with T.vectorized(0, count) as k:
-            look = self.base_lookup(r, base + k, 0, {**(dots(k) if dots else {}),
-                                                     **self.held(st, lane, names)})
-            for j, (e, _) in enumerate(parts):
-                T.buffer_store(cache, self.expr(e, look), [j, k])
-        column = {sym: j for j, (_, sym) in enumerate(parts)}
-
-        def at(syms):
-            return lambda k: {sym: cache[column[sym], k] for sym in syms}
-
-        return [one and (one[0], at(list(one[1].values()))) for one in split]
 
     def tile_step(self, st: States, comp, lane, i, r, dots=None, basis=None):
         """Fold element i into ``comp`` of a tile whose upstream components are complete:
@@ -316,7 +285,7 @@ class Emitter:
     def _hoist(self, exprs, varying: set, look, per_slot: bool = True):
         """``exprs`` with their largest parts free of ``varying`` names replaced by symbols
         bound here (to their values under ``look``); returns (exprs, symbol -> value)."""
-        out, found = _split_invariant(exprs, varying, per_slot)
+        out, found = split_invariant(exprs, varying, per_slot)
         return out, {sym: T.bind(self.expr(e, look)) for e, sym in found.items()}
 
     @contextmanager
@@ -568,7 +537,7 @@ def _matrix_items(comp):
     return [((g, h), m[g, h]) for g in range(m.rows) for h in range(m.cols) if m[g, h] != 0]
 
 
-def _split_invariant(exprs, varying: set, per_slot: bool = True):
+def split_invariant(exprs, varying: set, per_slot: bool = True):
     """``exprs`` with their largest parts free of ``varying`` names replaced by fresh
     symbols; returns (exprs, part -> symbol).  ``per_slot``: a dot product counts as
     invariant (it is one number per element, whatever its operands carry)."""

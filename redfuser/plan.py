@@ -21,6 +21,7 @@ from .tvm_adapter import default_threads
 LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per step
 TILE = 8  # elements per lane per tile: the merge's rescale is paid once per TILE elements
 KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. attention's keys
+ROW_BLOCK = 8  # rows sharing each load of a broadcast stream (8 accumulators: 8 registers)
 MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
 VARIANTS = ("rolling", "split", "unfused")
 
@@ -36,9 +37,11 @@ class Plan:
     reason: str = ""
     threads: int = 1  # CUDA: threads per block, combined by a shared-memory merge tree
     tile: int = 1  # CPU lanes: elements per lane folded at fixed anchors before a merge
+    row_block: int = 1  # CPU, one lane: rows folded together, sharing each streamed load
 
     def __str__(self) -> str:
         extra = f", {self.splits} splits" if self.variant == "split" else ""
+        extra += f", blocks of {self.row_block} rows" if self.row_block > 1 else ""
         return f"{self.variant} ({self.lanes} lanes{extra}): {self.reason}"
 
 
@@ -85,8 +88,19 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None, splits: 
         return Plan("split", lanes, s, fast_math, why, tile=tile_for(rule, lanes))
     why = "requested" if variant else (f"{geo.r} rows >= {threads} threads" if not idle else
                                        f"N = {geo.n} too short to split")
+    block = row_block_for(geo, lanes, threads)
     return Plan("rolling", lanes, 1, fast_math, why + "; rows in parallel, one pass each",
-                tile=tile_for(rule, lanes))
+                tile=KEY_TILE if block > 1 else tile_for(rule, lanes), row_block=block)
+
+
+def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:
+    """Rows folded together when a wide stream is shared by many rows (attention's K/V by
+    the queries of a head, a GEMM's weights by every row): each load of it then serves
+    ROW_BLOCK rows, like a GEMM micro-kernel.  Only for one-lane rules whose feature axis
+    fills whole vectors, and only while every thread keeps a block."""
+    shared = any(g.count < geo.r and g.length > 1 and g.width > 1 for g in geo.inputs.values())
+    enough = geo.r >= ROW_BLOCK * threads
+    return ROW_BLOCK if lanes == 1 and shared and enough and geo.d % LANES == 0 else 1
 
 
 SMS = 132  # streaming multiprocessors of an H100/H200: blocks needed to fill the GPU

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from algebra.components import COUNT, LinearComponent
 from algebra.derive import derive_components, running_values
 from algebra.rule import FusionRule
 from algebra.spec import Cascade
 
+from . import tiles
 from .analysis import Geometry
 from .lower import F32, I64, Emitter, States, registers
 from .plan import Plan
@@ -79,7 +79,7 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
     with T.serial(0, tirx.floordiv(length, step)) as c:
         base = start + c * step
         if tile > 1:
-            _tile(em, st, r, base, lanes, tile)
+            tiles.tile(em, st, r, base, lanes, tile)
         else:
             with T.vectorized(0, lanes) as lane:
                 em.update(st, lane, base + lane, r)
@@ -90,60 +90,10 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
             em.merge(st, 0, lane, r)
 
 
-def _levels(rule: FusionRule) -> list[list]:
-    """Components in groups whose anchors all come from earlier groups: a group's tile loops
-    are one loop, so a shared exp(x - m) is computed once per element."""
-    levels, produced = [], set()
-    for comp in rule.components:
-        reads = {s.name for a in comp.anchors for s in rule.running[a.name].free_symbols}
-        if not levels or reads & produced:
-            levels.append([])
-            produced = set()
-        levels[-1].append(comp)
-        produced |= {s.symbol.name for s in comp.state}
-    return levels
-
-
-def _lane_loop(lanes: int):
-    """A vectorized loop over the lanes; none for one lane (the slot loop inside may then
-    be the vectorized one: vector loops cannot nest)."""
-    return T.vectorized(0, lanes) if lanes > 1 else _Lane0()
-
-
-def _tile(em: Emitter, st: States, r, base, lanes: int, tile: int):
-    """Lanes [lanes, 2 lanes) hold the tile; lane l takes elements base + k*lanes + l.
-    Dot products are computed once per element of the tile, before the levels."""
-    dots = em.tile_dots(r, base, lanes * tile) if lanes == 1 else None
-    with _lane_loop(lanes) as lane:
-        st.init(lanes + lane)
-        if COUNT.name in st.bufs:
-            st.set(COUNT.name, lanes + lane, tirx.const(float(tile), F32))
-    for level in _levels(em.rule):
-        for comp in level:
-            if comp.anchors and isinstance(comp, LinearComponent):
-                with _lane_loop(lanes) as lane:
-                    em.hold_for(st, comp, lanes + lane, r)
-        bases = em.tile_bases(st, level, 1, r, base, tile, dots) if lanes == 1 else \
-            [None] * len(level)
-        with T.serial(0, tile) as k:
-            with _lane_loop(lanes) as lane:
-                for comp, pre in zip(level, bases, strict=True):
-                    em.tile_step(st, comp, lanes + lane, base + k * lanes + lane, r,
-                                 dots(k) if dots else {}, pre and (pre[0], pre[1](k)))
-    with _lane_loop(lanes) as lane:
-        em.merge(st, lane, lanes + lane, r)
-
-
-class _Lane0:
-    def __enter__(self):
-        return 0
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
     em = Emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
+    if plan.row_block > 1:
+        return _rolling_blocks(em, geo, plan, results, elementwise)
     with T.parallel(0, geo.r) as r:
         st = States(rule, geo, 2 * plan.lanes)
         for lane in range(plan.lanes):
@@ -151,6 +101,26 @@ def _rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
         _fold(em, st, r, tirx.const(0, I64), tirx.const(geo.n, I64), plan.lanes, plan.tile)
         em.finalize(st, r, results)
         em.elementwise(r, elementwise)
+
+
+def _rolling_blocks(em: Emitter, geo: Geometry, plan: Plan, results, elementwise):
+    """Blocks of ``plan.row_block`` rows in parallel; each tile is folded for every row of
+    the block at once (``tiles.tile_rows``).  The last block repeats the last row where the
+    rows do not divide evenly (same values written twice by one thread)."""
+    size, block = plan.tile, plan.row_block
+    with T.parallel(0, -(-geo.r // block)) as b:
+        rows = [T.bind(tirx.min(b * block + j, geo.r - 1)) for j in range(block)]
+        sts = [States(em.rule, geo, 2) for _ in rows]
+        for st in sts:
+            st.init(0)
+        with T.serial(0, geo.n // size) as c:
+            tiles.tile_rows(em, sts, rows, c * size, size)
+        with T.serial(geo.n // size * size, geo.n) as t:
+            for st, r in zip(sts, rows, strict=True):
+                em.update(st, 0, t, r)
+        for st, r in zip(sts, rows, strict=True):
+            em.finalize(st, r, results)
+            em.elementwise(r, elementwise)
 
 
 def _split(rule, geo, plan, bufs, results, elementwise):

@@ -82,6 +82,21 @@ def test_the_plan_picks_split_for_few_long_rows():
     assert "rows" in kernel.plan.reason
 
 
+@pytest.mark.parametrize("name, inputs", [
+    ("attention", dict(q=rng.normal(size=(2, 21, 16)).astype(np.float32),  # 42 rows: 6 blocks
+                       k=rng.normal(size=(2, 1, 77, 16)).astype(np.float32),
+                       v=rng.normal(size=(2, 1, 77, 16)).astype(np.float32), scale=0.3)),
+    ("rmsnorm_gemm", dict(x=rng.normal(size=(19, 70)).astype(np.float32),  # 19 = 2 * 8 + 3
+                          w=rng.normal(size=(70, 32)).astype(np.float32), eps=1e-5)),
+])
+def test_rows_sharing_a_stream_fold_in_blocks(name, inputs):
+    """Rows sharing K/V (or a GEMM's weights) fold together; a last partial block repeats
+    its last row; tiles of 16 plus a tail."""
+    kernel = redfuser.compile(name, threads=2)
+    assert_matches(kernel(**inputs), redfuser.reference(name, inputs))
+    assert kernel.plan.row_block > 1 and "blocks of" in str(kernel.plan)
+
+
 def test_unfused_has_one_loop_nest_per_reduction_and_fused_one():
     x = np.zeros((4, 64), np.float32)
     fused, unfused = (redfuser.compile("softmax", variant=v) for v in ("rolling", "unfused"))

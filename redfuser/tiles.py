@@ -1,0 +1,171 @@
+"""Tiles: whole blocks of elements folded at the tile's own final anchors, then merged.
+
+Each tile starts from the identity state in its own lane(s).  Components are folded
+level by level (a level's anchors come from earlier levels only), so every anchor is
+final for the tile when it is read: the re-anchoring matrix is the identity inside the
+tile and the derived merge pays the rescale once per tile instead of once per element.
+
+- Many lanes (scalar states): lane l takes elements base + k*lanes + l (vectorized over
+  the lanes).
+- One lane (feature vectors, dot products: attention): the dot products of the tile are
+  computed first, then the slot-invariant part of each basis (``exp(s - m)``) for all the
+  tile's elements in one loop vectorized over the elements, then the D-vector sums.
+- Blocks of rows (one lane, a stream shared by the rows: attention's K/V, a GEMM's
+  weights): the rows of a block fold the same tile together and every load of the shared
+  stream serves all of them; the D-vector sums run slot-chunk outermost, so each row's
+  chunk of the sum stays in a register across the tile (a GEMM micro-kernel: tile x rows
+  x VECTOR).
+"""
+
+from __future__ import annotations
+
+from algebra.components import COUNT, LinearComponent
+from algebra.rule import FusionRule
+
+from .lower import F32, VECTOR, Emitter, States, _Const0, _Dot, _exprs, split_invariant
+from .tvm_adapter import T, tirx
+
+
+def levels(rule: FusionRule) -> list[list]:
+    """Components in groups whose anchors all come from earlier groups: a group's tile loops
+    are one loop, so a shared exp(x - m) is computed once per element."""
+    out, produced = [], set()
+    for comp in rule.components:
+        reads = {s.name for a in comp.anchors for s in rule.running[a.name].free_symbols}
+        if not out or reads & produced:
+            out.append([])
+            produced = set()
+        out[-1].append(comp)
+        produced |= {s.symbol.name for s in comp.state}
+    return out
+
+
+def _lane_loop(lanes: int):
+    """A vectorized loop over the lanes; none for one lane (the slot loop inside may then
+    be the vectorized one: vector loops cannot nest)."""
+    return T.vectorized(0, lanes) if lanes > 1 else _Const0()
+
+
+def _start(st: States, lane, tile: int):
+    st.init(lane)
+    if COUNT.name in st.bufs:
+        st.set(COUNT.name, lane, tirx.const(float(tile), F32))
+
+
+def tile(em: Emitter, st: States, r, base, lanes: int, size: int):
+    """One row: lanes [lanes, 2 lanes) hold the tile of lanes x size elements."""
+    dots = tile_dots(em, [r], base, lanes * size)[0] if lanes == 1 else None
+    with _lane_loop(lanes) as lane:
+        _start(st, lanes + lane, size)
+    for level in levels(em.rule):
+        with _lane_loop(lanes) as lane:
+            _hold(em, st, level, lanes + lane, r)
+        bases = tile_bases(em, st, level, r, base, size, dots) if lanes == 1 else \
+            [None] * len(level)
+        with T.serial(0, size) as k:
+            with _lane_loop(lanes) as lane:
+                for comp, pre in zip(level, bases, strict=True):
+                    em.tile_step(st, comp, lanes + lane, base + k * lanes + lane, r,
+                                 dots(k) if dots else {}, pre and (pre[0], pre[1](k)))
+    with _lane_loop(lanes) as lane:
+        em.merge(st, lane, lanes + lane, r)
+
+
+def tile_rows(em: Emitter, sts: list, rows: list, base, size: int):
+    """A block of rows, one lane each: lane 1 of every row's registers holds the tile."""
+    dots = tile_dots(em, rows, base, size)
+    for st in sts:
+        _start(st, 1, size)
+    for level in levels(em.rule):
+        for st, r in zip(sts, rows, strict=True):
+            _hold(em, st, level, 1, r)
+        bases = [tile_bases(em, st, level, r, base, size, d)
+                 for st, r, d in zip(sts, rows, dots, strict=True)]
+        wide = [_wide(em, sts[0], comp) for comp in level]
+        for j, comp in enumerate(level):
+            if wide[j]:
+                _vector_sums(em, sts, comp, rows, base, size, dots, [b[j] for b in bases])
+        with T.serial(0, size) as k:
+            for st, r, d, pre in zip(sts, rows, dots, bases, strict=True):
+                for j, comp in enumerate(level):
+                    if not wide[j]:
+                        em.tile_step(st, comp, 1, base + k, r, d(k) if d else {},
+                                     pre[j] and (pre[j][0], pre[j][1](k)))
+    for st, r in zip(sts, rows, strict=True):
+        em.merge(st, 0, 1, r)
+
+
+def _hold(em: Emitter, st: States, level, lane, r):
+    for comp in level:
+        if comp.anchors and isinstance(comp, LinearComponent):
+            em.hold_for(st, comp, lane, r)
+
+
+def _wide(em: Emitter, st: States, comp) -> bool:
+    """A sum whose every column is a feature vector filling whole VECTOR chunks."""
+    if not isinstance(comp, LinearComponent):
+        return False
+    cols = [c.name for c in comp.columns if c != COUNT]
+    return bool(cols) and all(st.widths[c] == em.geo.d for c in cols) and \
+        em.geo.d % VECTOR == 0
+
+
+def _vector_sums(em: Emitter, sts, comp, rows, base, size: int, dots, pres):
+    """S_row[slot] += basis(row, element, slot) over the tile, slot chunks outermost: the
+    loop over the tile's elements sits between the chunk loop and the vectorized slots, so
+    each row's chunk of S stays in a register and each streamed load serves every row."""
+    cols = [c.name for c in comp.columns if c != COUNT]
+    names = [a.name for a in comp.anchors]
+    with T.serial(0, em.geo.d // VECTOR) as chunk:
+        with T.serial(0, size) as k:
+            with T.vectorized(0, VECTOR) as lane:
+                slot = chunk * VECTOR + lane
+                for st, r, d, pre in zip(sts, rows, dots, pres, strict=True):
+                    fresh = em._fresh(comp, r, base + k, em.held(st, 1, names),
+                                      d(k) if d else {}, pre and (pre[0], pre[1](k)))
+                    values = dict(zip([c.name for c in comp.columns], fresh(slot),
+                                      strict=True))
+                    for c in cols:
+                        st.set(c, 1, st.get(c, 1, slot) + values[c], slot)
+
+
+def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
+    """Dot products of elements base .. base + count - 1, per row, into local buffers
+    (computed once, the rows sharing each streamed load); per row None (no dots) or
+    k -> {dot: value at element base + k}."""
+    found = sorted({d for c in em.rule.components for e in _exprs(c) for d in e.atoms(_Dot())},
+                   key=str)
+    if not found:
+        return [None] * len(rows)
+    caches = [T.alloc_buffer((len(found), count), F32, scope="local") for _ in rows]
+    with T.serial(0, count) as k:
+        for j, dot in enumerate(found):
+            for cache, value in zip(caches, em.dot_rows(dot, rows, base + k), strict=True):
+                T.buffer_store(cache, value, [j, k])
+    return [lambda k, cache=cache: {dot: cache[j, k] for j, dot in enumerate(found)}
+            for cache in caches]
+
+
+def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots) -> list:
+    """One-lane tiles: the slot-invariant parts of the bases of ``comps`` for every element
+    of the tile, in one loop vectorized over the elements (attention's exp(s - m) for 16
+    keys at once instead of one scalar exp per key).  Returns, per comp, None or (basis
+    with those parts as symbols, k -> {symbol: value at base + k})."""
+    split = [split_invariant(c.basis, set(em.geo.vec))
+             if isinstance(c, LinearComponent) else None for c in comps]
+    parts = [(e, sym) for one in split if one for e, sym in one[1].items()]
+    if not parts:
+        return [None] * len(comps)
+    cache = T.alloc_buffer((len(parts), count), F32, scope="local")
+    names = sorted({a.name for c in comps for a in c.anchors if isinstance(c, LinearComponent)})
+    with T.vectorized(0, count) as k:
+        look = em.base_lookup(r, base + k, 0, {**(dots(k) if dots else {}),
+                                               **em.held(st, 1, names)})
+        for j, (e, _) in enumerate(parts):
+            T.buffer_store(cache, em.expr(e, look), [j, k])
+    column = {sym: j for j, (_, sym) in enumerate(parts)}
+
+    def at(syms):
+        return lambda k: {sym: cache[column[sym], k] for sym in syms}
+
+    return [one and (one[0], at(list(one[1].values()))) for one in split]
