@@ -77,7 +77,9 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None, splits: 
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
     if variant == "unfused":
-        return Plan("unfused", lanes, 1, fast_math, "requested: one pass per reduction")
+        block = row_block_for(geo, lanes, threads)  # the same scheduling quality per pass
+        return Plan("unfused", lanes, 1, fast_math, "requested: one pass per reduction",
+                    tile=KEY_TILE if block > 1 else 1, row_block=block)
     idle = geo.r < threads
     long = geo.n >= 2 * MIN_SPLIT_ELEMENTS
     if variant == "split" or (variant is None and idle and long):

@@ -190,7 +190,8 @@ def _unfused(rule, geo, plan, bufs, results, elementwise):
         tmp[red.name] = (buf, width)
         stage = stage_rule(rule, k)
         lanes = plan.lanes if _stage_lanes_ok(stage, geo) else 1
-        _rolling(stage, geo, dataclasses.replace(plan, lanes=lanes), bufs,
+        blocks = plan.row_block if lanes == 1 else 1
+        _rolling(stage, geo, dataclasses.replace(plan, lanes=lanes, row_block=blocks), bufs,
                  {red.name: tmp[red.name]}, {}, rowvals=_epilogue_values(rule, tmp))
     em = Emitter(rule, geo, plan, bufs, _epilogue_values(rule, tmp))
     with T.parallel(0, geo.r) as r:

@@ -89,10 +89,11 @@ def test_the_plan_picks_split_for_few_long_rows():
     ("rmsnorm_gemm", dict(x=rng.normal(size=(19, 70)).astype(np.float32),  # 19 = 2 * 8 + 3
                           w=rng.normal(size=(70, 32)).astype(np.float32), eps=1e-5)),
 ])
-def test_rows_sharing_a_stream_fold_in_blocks(name, inputs):
+@pytest.mark.parametrize("variant", [None, "unfused"])
+def test_rows_sharing_a_stream_fold_in_blocks(name, inputs, variant):
     """Rows sharing K/V (or a GEMM's weights) fold together; a last partial block repeats
-    its last row; tiles of 16 plus a tail."""
-    kernel = redfuser.compile(name, threads=2)
+    its last row; tiles of 16 plus a tail.  The unfused baseline gets the same blocks."""
+    kernel = redfuser.compile(name, threads=2, variant=variant)
     assert_matches(kernel(**inputs), redfuser.reference(name, inputs))
     assert kernel.plan.row_block > 1 and "blocks of" in str(kernel.plan)
 
