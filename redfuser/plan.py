@@ -21,7 +21,7 @@ from .tvm_adapter import default_threads
 LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per step
 TILE = 8  # elements per lane per tile: the merge's rescale is paid once per TILE elements
 KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. attention's keys
-ROW_BLOCK = 8  # rows sharing each load of a broadcast stream (8 accumulators: 8 registers)
+ROW_BLOCK = 4  # rows sharing each load of a broadcast stream (measured: 4 beats 8 for attention)
 MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
 VARIANTS = ("rolling", "split", "unfused")
 

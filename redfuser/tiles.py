@@ -138,10 +138,18 @@ def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
     if not found:
         return [None] * len(rows)
     caches = [T.alloc_buffer((len(found), count), F32, scope="local") for _ in rows]
-    with T.serial(0, count) as k:
-        for j, dot in enumerate(found):
-            for cache, value in zip(caches, em.dot_rows(dot, rows, base + k), strict=True):
-                T.buffer_store(cache, value, [j, k])
+    for j, dot in enumerate(found):
+        # the tile's elements in the vector lanes, the feature axis outermost: no horizontal
+        # sums, and each (strided) load of the stream serves every row of the block
+        with T.vectorized(0, count) as k:
+            for cache in caches:
+                T.buffer_store(cache, tirx.const(0.0, F32), [j, k])
+        with T.serial(0, em.geo.d) as f:
+            with T.vectorized(0, count) as k:
+                for cache, r in zip(caches, rows, strict=True):
+                    look = em.base_lookup(r, base + k, f)
+                    T.buffer_store(cache, cache[j, k] + em.expr(dot.args[0], look) *
+                                   em.expr(dot.args[1], look), [j, k])
     return [lambda k, cache=cache: {dot: cache[j, k] for j, dot in enumerate(found)}
             for cache in caches]
 
