@@ -22,6 +22,7 @@ LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per ste
 TILE = 8  # elements per lane per tile: the merge's rescale is paid once per TILE elements
 KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. attention's keys
 ROW_BLOCK = 4  # rows sharing each load of a broadcast stream (measured: 4 beats 8 for attention)
+BLOCK_MIN_ELEMENTS = 8192  # 32 KB of float32: a shared stream smaller than L1 is cheap to reread
 MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
 VARIANTS = ("rolling", "split", "unfused")
 
@@ -99,8 +100,11 @@ def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:
     """Rows folded together when a wide stream is shared by many rows (attention's K/V by
     the queries of a head, a GEMM's weights by every row): each load of it then serves
     ROW_BLOCK rows, like a GEMM micro-kernel.  Only for one-lane rules whose feature axis
-    fills whole vectors, and only while every thread keeps a block."""
-    shared = any(g.count < geo.r and g.length > 1 and g.width > 1 for g in geo.inputs.values())
+    fills whole vectors, only while every thread keeps a block, and only where a row's
+    share of the stream outgrows the L1 cache (below that, re-reading it per row is cheap
+    and the 4 copies of the fold cost compile time: 0.5 s -> 1.6 s for attention)."""
+    shared = any(g.count < geo.r and g.length > 1 and g.width > 1 and
+                 g.length * g.width >= BLOCK_MIN_ELEMENTS for g in geo.inputs.values())
     enough = geo.r >= ROW_BLOCK * threads
     return ROW_BLOCK if lanes == 1 and shared and enough and geo.d % LANES == 0 else 1
 
