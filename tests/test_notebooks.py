@@ -25,7 +25,8 @@ from nbformat import NotebookNode
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-TUTORIALS = ("01_derive_a_new_reduction", "02_property_testing", "03_generate_kernels")
+TUTORIALS = ("01_derive_a_new_reduction", "02_property_testing", "03_generate_kernels",
+             "04_fuse_a_model")
 KERNEL = "redfuser-tests"
 CELL_TIMEOUT_S = 300  # per cell; each notebook takes well under a minute on two cores
 # A last cell, added to the temporary copy only: which interpreter ran the notebook.
@@ -115,8 +116,34 @@ def check_kernels(nb: NotebookNode, text: str) -> None:
     assert images(nb) >= 1, "no fused-vs-unfused timing plot"
 
 
+def check_fuse_model(nb: NotebookNode, text: str) -> None:
+    reports = [tuple(map(int, m)) for m in
+               re.findall(r"(\d+) cascade\(s\) found, (\d+) fused, (\d+) skipped", text)]
+    assert reports, "no FuseReport printed"
+    found, fused, _ = reports[0]  # the GPT-2 block, the first report shown
+    assert found == fused == 3, \
+        f"the text describes three cascades of the GPT-2 block, all fused: {reports[0]}"
+    calls = re.search(r"^call_tir\s+0\s+(\d+)$", text, re.M)
+    assert calls and int(calls.group(1)) == fused, "the op table does not show the call_tirs"
+    assert any(skipped >= 1 for *_, skipped in reports) and "NotFusable" in text, \
+        "no skipped cascade with the engine's reason"
+    headers = re.findall(r"\[(\d+)/(\d+) obligations proven\]", text)
+    assert headers and all(a == b for a, b in headers), f"rule not proven: {headers}"
+    errors = re.findall(r"max \|(fused|unfused) - torch\| = (\S+)", text)
+    assert "fused" in dict(errors), "no error of the fused build against PyTorch"
+    assert all(float(e) < 1e-5 for _, e in errors), f"builds disagree with PyTorch: {errors}"
+    kernels = re.search(r"kernels per forward pass: (\d+) unfused, (\d+) fused", text)
+    assert kernels and int(kernels.group(2)) < int(kernels.group(1)), \
+        "the fused build does not run fewer kernels"
+    times = re.findall(r"block: unfused (\S+) ms .*, fused (\S+) ms", text)
+    assert len(times) >= 2 and all(0 < float(t) < 1e3 for pair in times for t in pair), \
+        f"no timings of both builds for two models: {times}"
+    assert images(nb) >= 1, "no fused-vs-unfused timing plot"
+
+
 CHECKS: dict[str, Callable[[NotebookNode, str], None]] = dict(
-    zip(TUTORIALS, (check_derive, check_property_testing, check_kernels), strict=True))
+    zip(TUTORIALS, (check_derive, check_property_testing, check_kernels, check_fuse_model),
+        strict=True))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -128,7 +155,7 @@ def test_notebook_runs(path: Path, kernel_name: str, tmp_path: Path) -> None:
 
 
 def test_tutorials_exist_and_are_indexed() -> None:
-    """The three tutorials are present, valid, committed without error outputs, and linked
+    """The tutorials are present, valid, committed without error outputs, and linked
     from both READMEs."""
     readme = (ROOT / "README.md").read_text()
     index = (NOTEBOOK_DIR / "README.md").read_text()
