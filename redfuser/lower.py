@@ -193,31 +193,24 @@ class Emitter:
                                    for d in e.atoms(_Dot())}, key=str)}
 
     def _dot(self, dot, r, i):
-        return self.dot_rows(dot, [r], i)[0]
-
-    def dot_rows(self, dot, rows, i) -> list:
-        """The dot product of element i for each of ``rows``, as VECTOR partial sums over the
-        feature axis then a halving tree (a scalar chain of D dependent adds would bound
-        attention by the add latency); the rows share each load of a streamed operand."""
+        """VECTOR partial sums over the feature axis, then a halving tree: a scalar chain of
+        D dependent adds would bound attention by the add latency (4 cycles per feature)."""
         d, vector = self.geo.d, self.plan.lanes == 1 and self.plan.threads == 1
         width = VECTOR if vector and d % VECTOR == 0 else 1
-        accs = [T.alloc_buffer((width,), F32, scope="local") for _ in rows]
+        acc = T.alloc_buffer((width,), F32, scope="local")
         with (T.vectorized(0, width) if width > 1 else _Const0()) as lane:
-            for acc in accs:
-                T.buffer_store(acc, const(0), [lane])
+            T.buffer_store(acc, const(0), [lane])
         with T.serial(0, d // width) as c:
             with (T.vectorized(0, width) if width > 1 else _Const0()) as lane:
-                for acc, r in zip(accs, rows, strict=True):
-                    look = self.base_lookup(r, i, c * width + lane)
-                    T.buffer_store(acc, acc[lane] + self.expr(dot.args[0], look) *
-                                   self.expr(dot.args[1], look), [lane])
+                look = self.base_lookup(r, i, c * width + lane)
+                T.buffer_store(acc, acc[lane] + self.expr(dot.args[0], look) *
+                               self.expr(dot.args[1], look), [lane])
         half = width // 2
         while half >= 1:
             with (T.vectorized(0, half) if half > 1 else _Const0()) as lane:
-                for acc in accs:
-                    T.buffer_store(acc, acc[lane] + acc[lane + half], [lane])
+                T.buffer_store(acc, acc[lane] + acc[lane + half], [lane])
             half //= 2
-        return [acc[0] for acc in accs]
+        return acc[0]
 
     def _count(self, st: States, lane):
         """The lane's count before this step (None when the rule keeps no count)."""
