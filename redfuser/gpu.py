@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .lower import Emitter, States
+from .lower import Emitter
+from .registers import States
 from .tvm_adapter import T, tirx
 from .variants import copy_state, workspace
 
@@ -19,7 +20,7 @@ SHARED_BYTES = 48 * 1024  # static shared memory available to a block without op
 
 def threads_for(rule, geo, limit: int = 256) -> int:
     """Largest power of two <= limit whose shared-memory state fits."""
-    from .lower import rule_k
+    from .registers import rule_k
 
     words = sum(rule_k(rule, s.symbol.name) if s.kind.endswith("_k") else geo.width(
         s.symbol.name) for s in rule.state)

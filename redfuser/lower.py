@@ -20,17 +20,18 @@ from contextlib import contextmanager
 
 import sympy as sp
 
-from algebra.components import COUNT, INDEX_SENTINEL, LinearComponent, SelectComponent, primed
+from algebra.components import COUNT, LinearComponent, SelectComponent, primed
 from algebra.rule import FusionRule
 from algebra.spec import INDEX, LENGTH
 
 from .analysis import Geometry
-from .fastmath import isfinite, isnan, statement_lets
+from .fastmath import isfinite, statement_lets
 from .plan import Plan
+from .registers import F32, I64, Const0, States, work, working_anchors
+from .steps import SelectSteps, SettleSteps, all_of
 from .texpr import const, to_tir
 from .tvm_adapter import LEAVES, T, tirx
 
-F32, I64 = "float32", "int64"
 VECTOR = 16  # float32 lanes of an AVX-512 register, for the per-element pass
 
 
@@ -42,68 +43,7 @@ def _mul0(a, b):
     return tirx.Select(tirx.Or(a == zero, b == zero), zero, a * b)
 
 
-def _all(conds):
-    out = None
-    for c in conds:
-        out = c if out is None else tirx.And(out, c)
-    return out
-
-
-def working_anchors(rule: FusionRule) -> list[str]:
-    """Anchors that re-anchored (linear) states are held at: each gets a register."""
-    return sorted({a.name for c in rule.components if isinstance(c, LinearComponent)
-                   for a in c.anchors})
-
-
-def work(anchor: str) -> str:
-    """Name of the register holding ``anchor``'s working value."""
-    return f"{anchor}@work"
-
-
-def registers(rule: FusionRule, geo: Geometry) -> dict[str, tuple[int, str, str, object]]:
-    """Every per-lane register: name -> (width, dtype, kind, initial value).  A working
-    anchor starts at 0: the initial (empty) state is the same at every anchor."""
-    out = {}
-    for s in rule.state:
-        name, kind = s.symbol.name, s.kind
-        width = rule_k(rule, name) if kind.endswith("_k") else geo.width(name)
-        out[name] = (width, I64 if kind.startswith("ind") else F32, kind, s.init)
-    for a in working_anchors(rule):
-        out[work(a)] = (geo.width(a), F32, "anchor", 0)
-    return out
-
-
-class States:
-    """Local registers of every state variable and working anchor: one row of ``width``
-    slots per lane."""
-
-    def __init__(self, rule: FusionRule, geo: Geometry, lanes: int, scope: str = "local"):
-        self.bufs, self.widths, self.kinds, self.inits = {}, {}, {}, {}
-        for name, (width, dtype, kind, init) in registers(rule, geo).items():
-            self.bufs[name] = T.alloc_buffer((lanes, width), dtype, scope=scope)
-            self.widths[name], self.kinds[name], self.inits[name] = width, kind, init
-        self.lanes = lanes
-
-    def get(self, name, lane, slot=0):
-        return self.bufs[name][lane, slot if self.widths[name] > 1 else 0]
-
-    def set(self, name, lane, value, slot=0):
-        T.buffer_store(self.bufs[name], value, [lane, slot if self.widths[name] > 1 else 0])
-
-    def init(self, lane):
-        for name, buf in self.bufs.items():
-            value = tirx.const(INDEX_SENTINEL, I64) if self.kinds[name].startswith("ind") \
-                else const(float(self.inits[name]))
-            # no loop for one slot: a loop nested in a vectorized lane loop defeats TVM
-            with (T.serial(0, self.widths[name]) if self.widths[name] > 1 else _Const0()) as s:
-                T.buffer_store(buf, value, [lane, s])
-
-
-def rule_k(rule: FusionRule, name: str) -> int:
-    return next(c.k for c in rule.components for s in c.state if s.symbol.name == name)
-
-
-class Emitter:
+class Emitter(SelectSteps, SettleSteps):
     """Emits the statements of one kernel into the active IRBuilder frame."""
 
     def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict):
@@ -198,16 +138,16 @@ class Emitter:
         d, vector = self.geo.d, self.plan.lanes == 1 and self.plan.threads == 1
         width = VECTOR if vector and d % VECTOR == 0 else 1
         acc = T.alloc_buffer((width,), F32, scope="local")
-        with (T.vectorized(0, width) if width > 1 else _Const0()) as lane:
+        with (T.vectorized(0, width) if width > 1 else Const0()) as lane:
             T.buffer_store(acc, const(0), [lane])
         with T.serial(0, d // width) as c:
-            with (T.vectorized(0, width) if width > 1 else _Const0()) as lane:
+            with (T.vectorized(0, width) if width > 1 else Const0()) as lane:
                 look = self.base_lookup(r, i, c * width + lane)
                 T.buffer_store(acc, acc[lane] + self.expr(dot.args[0], look) *
                                self.expr(dot.args[1], look), [lane])
         half = width // 2
         while half >= 1:
-            with (T.vectorized(0, half) if half > 1 else _Const0()) as lane:
+            with (T.vectorized(0, half) if half > 1 else Const0()) as lane:
                 T.buffer_store(acc, acc[lane] + acc[lane + half], [lane])
             half //= 2
         return acc[0]
@@ -329,7 +269,7 @@ class Emitter:
     def _reanchor(self, st, comp, lane, a_old, count, a_new, r, slot, entries):
         names = [c.name for c in comp.columns]
         look = self._entry_lookup(st, comp, lane, a_old, a_new, r, slot)
-        same = _all([a_old[a.name] == a_new[a.name] for a in comp.anchors])
+        same = all_of([a_old[a.name] == a_new[a.name] for a in comp.anchors])
         out = []
         for g, name in enumerate(names):
             moved = None
@@ -344,56 +284,6 @@ class Emitter:
             keep = st.get(name, lane, slot)
             out.append(moved if same is None else tirx.Select(same, keep, moved))
         return out
-
-    # Step 3. Selections -------------------------------------------------------------
-    def _better(self, comp, v, j, sv, sj):
-        """(v, j) ranks before (sv, sj): NaN first (NaN wins a selection, as np.max and
-        np.argmax), then the better value, then the lower index; an empty slot (index
-        sentinel) takes anything.  The same order as algebra.components.rank_order."""
-        gt = (v > sv) if comp.direction > 0 else (v < sv)
-        nan_v, nan_s = isnan(v), isnan(sv)
-        if j is None:
-            return tirx.Or(tirx.And(nan_v, tirx.Not(nan_s)), gt)
-        lower = j < sj
-        empty = sj == tirx.const(INDEX_SENTINEL, I64)
-        by_nan = tirx.And(nan_v, tirx.Or(tirx.Not(nan_s), lower))
-        by_value = tirx.And(tirx.Not(nan_s), tirx.Or(gt, tirx.And(v == sv, lower)))
-        return tirx.Or(empty, tirx.Or(by_nan, by_value))
-
-    def _best(self, comp, a, b):
-        """max (or min) that propagates NaN like np.maximum (LLVM's maxnum would drop it)."""
-        a, b = (v if isinstance(v, LEAVES) else T.bind(v) for v in (a, b))
-        return tirx.Select(self._better(comp, b, None, a, None), b, a)
-
-    def _select_insert(self, st, comp, lane, v, j):
-        vname = comp.state[0].symbol.name
-        jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
-        if comp.k == 1 and jname is None:
-            with self._slots(st.widths[vname]) as slot:
-                st.set(vname, lane, self._best(comp, st.get(vname, lane, slot), v), slot)
-            return
-        if comp.k == 1:
-            sv, sj = T.bind(st.get(vname, lane)), T.bind(st.get(jname, lane))
-            b = self._better(comp, v, j, sv, sj)  # not let-bound: TVM cannot bind boolx16
-            st.set(vname, lane, tirx.Select(b, v, sv))
-            st.set(jname, lane, tirx.Select(b, j, sj))
-            return
-        cur_v = T.alloc_buffer((1,), F32, scope="local")
-        cur_j = T.alloc_buffer((1,), I64, scope="local")
-        T.buffer_store(cur_v, v, [0])
-        T.buffer_store(cur_j, j if jname else tirx.const(0, I64), [0])
-        with T.serial(0, comp.k) as t:
-            sj = st.get(jname, lane, t) if jname else None
-            with T.If(self._better(comp, cur_v[0], cur_j[0] if jname else None,
-                                   st.get(vname, lane, t), sj)):
-                with T.Then():
-                    tv = T.bind(st.get(vname, lane, t))
-                    st.set(vname, lane, cur_v[0], t)
-                    T.buffer_store(cur_v, tv, [0])
-                    if jname:
-                        tj = T.bind(sj)
-                        st.set(jname, lane, cur_j[0], t)
-                        T.buffer_store(cur_j, tj, [0])
 
     # Step 4. Merge, finalize, outputs -----------------------------------------------
     def merge(self, st: States, a, b, r):
@@ -438,30 +328,6 @@ class Emitter:
                 T.buffer_store(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
                                [r, slot])
 
-    def _settle(self, st: States, comp, r):
-        """Move lane 0 of ``comp`` from its working anchors to the true ones with IEEE
-        products (exp(-inf - -inf) = NaN as in the reference); where the shift is infinite,
-        the highest power of it meeting a non-zero state dominates (``components.settle``)."""
-        names = [a.name for a in comp.anchors]
-        held, true = self.held(st, 0, names), self.running(st, 0, r, names)
-        finite = _all([isfinite(true[a]) for a in names])
-        same = _all([held[a] == true[a] for a in names])
-        degree = comp.compiled("degree", comp.shift_degrees)
-        cols = [c.name for c in comp.columns]
-        with self._slots(max(st.widths.get(c, 1) for c in cols)) as slot:
-            look = self.state_lookup(st, 0, r, slot, {
-                **held, **{primed(a).name: true[a.name] for a in comp.anchors}})
-            values = {}
-            for g, name in enumerate(cols):
-                terms = [(degree[(g, h)], T.bind(self.expr(comp.matrix[g, h], look) *
-                                                 st.get(col, 0, slot)), st.get(col, 0, slot))
-                         for h, col in enumerate(cols) if comp.matrix[g, h] != 0]
-                if name != COUNT.name and terms:
-                    values[name] = T.bind(tirx.Select(tirx.Or(same, finite), _total(terms),
-                                                      _dominant(terms)))
-            for name, v in values.items():
-                st.set(name, 0, tirx.Select(same, st.get(name, 0, slot), v), slot)
-
     def _per_row(self, expr: sp.Expr, r):
         """``expr`` with its largest element-invariant parts replaced by symbols bound to
         their per-row values (mapped in the returned lookup)."""
@@ -503,27 +369,6 @@ class Emitter:
                         store(i, slot)
 
 
-def _total(terms):
-    out = terms[0][1]
-    for _, t, _ in terms[1:]:
-        out = out + t
-    return out
-
-
-def _dominant(terms):
-    """Sum of the terms of the highest shift degree among those with a non-zero state
-    (degree <= 0: all of them, IEEE)."""
-    top = tirx.const(-1, "int32")
-    for d, _, s in terms:
-        top = tirx.max(top, tirx.Select(s != const(0), tirx.const(d, "int32"),
-                                         tirx.const(-1, "int32")))
-    top = T.bind(top)
-    picked = [tirx.Select(tirx.Or(top <= tirx.const(0, "int32"),
-                                  tirx.And(s != const(0), top == tirx.const(d, "int32"))),
-                          t, const(0)) for d, t, s in terms]
-    return _total([(0, p, None) for p in picked])
-
-
 def _matrix_items(comp):
     """((row, column), entry) of the non-zero entries of a component's matrix."""
     m = comp.matrix
@@ -559,16 +404,6 @@ def _names_outside_dots(e: sp.Expr) -> set[str]:
     if e.is_Symbol:
         return {e.name}
     return set().union(*(_names_outside_dots(a) for a in e.args)) if e.args else set()
-
-
-class _Const0:
-    """``with`` stand-in for a loop of extent 1: yields slot 0."""
-
-    def __enter__(self):
-        return 0
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _Dot():

@@ -22,7 +22,8 @@ from __future__ import annotations
 from algebra.components import COUNT, LinearComponent
 from algebra.rule import FusionRule
 
-from .lower import F32, VECTOR, Emitter, States, _Const0, _Dot, _exprs, split_invariant
+from .lower import VECTOR, Emitter, _Dot, _exprs, split_invariant
+from .registers import F32, Const0, States
 from .tvm_adapter import T, tirx
 
 
@@ -43,7 +44,7 @@ def levels(rule: FusionRule) -> list[list]:
 def _lane_loop(lanes: int):
     """A vectorized loop over the lanes; none for one lane (the slot loop inside may then
     be the vectorized one: vector loops cannot nest)."""
-    return T.vectorized(0, lanes) if lanes > 1 else _Const0()
+    return T.vectorized(0, lanes) if lanes > 1 else Const0()
 
 
 def _start(st: States, lane, tile: int):

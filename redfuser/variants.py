@@ -17,8 +17,9 @@ from algebra.spec import Cascade
 
 from . import tiles
 from .analysis import Geometry
-from .lower import F32, I64, Emitter, States, registers
+from .lower import Emitter
 from .plan import Plan
+from .registers import F32, I64, States, registers
 from .tvm_adapter import IRBuilder, T, arg_buffer, tirx
 
 

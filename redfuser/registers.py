@@ -1,0 +1,81 @@
+"""Per-lane registers of a kernel: every state variable and every working anchor.
+
+A working anchor is the value a re-anchored state is currently held at (the running
+anchor where finite, else 0; see ``algebra.components``); it travels with the state into
+split workspaces and CUDA shared memory like any other register.
+"""
+
+from __future__ import annotations
+
+from algebra.components import INDEX_SENTINEL, LinearComponent
+from algebra.rule import FusionRule
+
+from .analysis import Geometry
+from .texpr import const
+from .tvm_adapter import T, tirx
+
+F32, I64 = "float32", "int64"
+
+
+def working_anchors(rule: FusionRule) -> list[str]:
+    """Anchors that re-anchored (linear) states are held at: each gets a register."""
+    return sorted({a.name for c in rule.components if isinstance(c, LinearComponent)
+                   for a in c.anchors})
+
+
+def work(anchor: str) -> str:
+    """Name of the register holding ``anchor``'s working value."""
+    return f"{anchor}@work"
+
+
+def registers(rule: FusionRule, geo: Geometry) -> dict[str, tuple[int, str, str, object]]:
+    """Every per-lane register: name -> (width, dtype, kind, initial value).  A working
+    anchor starts at 0: the initial (empty) state is the same at every anchor."""
+    out = {}
+    for s in rule.state:
+        name, kind = s.symbol.name, s.kind
+        width = rule_k(rule, name) if kind.endswith("_k") else geo.width(name)
+        out[name] = (width, I64 if kind.startswith("ind") else F32, kind, s.init)
+    for a in working_anchors(rule):
+        out[work(a)] = (geo.width(a), F32, "anchor", 0)
+    return out
+
+
+class States:
+    """Local registers of every state variable and working anchor: one row of ``width``
+    slots per lane."""
+
+    def __init__(self, rule: FusionRule, geo: Geometry, lanes: int, scope: str = "local"):
+        self.bufs, self.widths, self.kinds, self.inits = {}, {}, {}, {}
+        for name, (width, dtype, kind, init) in registers(rule, geo).items():
+            self.bufs[name] = T.alloc_buffer((lanes, width), dtype, scope=scope)
+            self.widths[name], self.kinds[name], self.inits[name] = width, kind, init
+        self.lanes = lanes
+
+    def get(self, name, lane, slot=0):
+        return self.bufs[name][lane, slot if self.widths[name] > 1 else 0]
+
+    def set(self, name, lane, value, slot=0):
+        T.buffer_store(self.bufs[name], value, [lane, slot if self.widths[name] > 1 else 0])
+
+    def init(self, lane):
+        for name, buf in self.bufs.items():
+            value = tirx.const(INDEX_SENTINEL, I64) if self.kinds[name].startswith("ind") \
+                else const(float(self.inits[name]))
+            # no loop for one slot: a loop nested in a vectorized lane loop defeats TVM
+            with (T.serial(0, self.widths[name]) if self.widths[name] > 1 else Const0()) as s:
+                T.buffer_store(buf, value, [lane, s])
+
+
+def rule_k(rule: FusionRule, name: str) -> int:
+    return next(c.k for c in rule.components for s in c.state if s.symbol.name == name)
+
+
+class Const0:
+    """``with`` stand-in for a loop of extent 1: yields slot 0."""
+
+    def __enter__(self):
+        return 0
+
+    def __exit__(self, *exc):
+        return False
