@@ -83,10 +83,10 @@ def test_the_plan_picks_split_for_few_long_rows():
 
 
 @pytest.mark.parametrize("name, inputs", [
-    ("attention", dict(q=rng.normal(size=(2, 21, 128)).astype(np.float32),  # 42 rows: 11 blocks
+    ("attention", dict(q=rng.normal(size=(2, 21, 128)).astype(np.float32),  # 42 rows: 6 blocks
                        k=rng.normal(size=(2, 1, 77, 128)).astype(np.float32),
                        v=rng.normal(size=(2, 1, 77, 128)).astype(np.float32), scale=0.1)),
-    ("rmsnorm_gemm", dict(x=rng.normal(size=(19, 70)).astype(np.float32),  # 19 = 4 * 4 + 3
+    ("rmsnorm_gemm", dict(x=rng.normal(size=(19, 70)).astype(np.float32),  # 19 = 2 * 8 + 3
                           w=rng.normal(size=(70, 128)).astype(np.float32), eps=1e-5)),
 ])
 @pytest.mark.parametrize("variant", [None, "unfused"])
