@@ -5,6 +5,12 @@ per reduction), numpy, torch eager and torch.compile when torch is installed, an
 plain copy of the input bytes (the bandwidth bound) — all float32, medians of
 repeated runs in one process, with the thread count printed.  Ratios are measured
 in the same run because these machines are shared and noisy.
+
+``--tuned`` adds the tuned fused kernel (``redfuser.tune``: the cost model ranks the
+schedule space, the best few candidates and the hand-written plan are measured, the
+fastest is stored in the tuning database) next to the untuned one, with its plan and
+time to tune; then MetaSchedule (TVM's tuner, a fixed trial budget) against this
+search on the unfused softmax and LayerNorm statistics: time to tune and kernel time.
 """
 
 from __future__ import annotations
@@ -116,13 +122,17 @@ def median_ms(fn: Callable[[], object], repeat: int) -> float:
 
 
 def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
-        only: str | None = None) -> list[dict]:
+        only: str | None = None, tuned: bool = False) -> list[dict]:
     try:
         import torch
 
         torch.set_num_threads(default_threads())
     except ImportError:
         torch = None
+    if tuned:  # calibrate the cost model before torch has run (its idle threads spin)
+        from .tune import machine
+
+        machine()
     rng = np.random.default_rng(0)
     rows = []
     # torch functions take torch tensors made once, outside the timed region (zero-copy views)
@@ -130,13 +140,55 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
         if only and only not in w.name:
             continue
         inputs = w.make(rng, scale)
-        fused, unfused = (redfuser.compile(w.spec, variant=v) for v in (None, "unfused"))
+        fused, unfused = (redfuser.compile(w.spec, variant=v, tune=False)
+                          for v in (None, "unfused"))
         row = {"workload": w.name, **_time_all(w, inputs, fused, unfused, torch, repeat,
                                                 with_compile)}
         row["plan"] = str(fused.plan)
+        if tuned:
+            _add_tuned(row, w, inputs, fused, repeat)
         rows.append(row)
         print(_line(row), flush=True)
+        if tuned:
+            from .tune import describe
+
+            same = row["tuned plan"] == describe(fused.plan)
+            print(f"{'':<4}tuned: {row['tuned plan']} ({row['tune s']:.1f} s to tune); "
+                  f"untuned: {'the same plan' if same else describe(fused.plan)}", flush=True)
     return rows
+
+
+def _add_tuned(row: dict, w: Workload, inputs: dict, fused, repeat: int) -> None:
+    """Search the fused kernel's schedule for these inputs, then time the tuned and the
+    untuned kernel alternately (the same noise for both; this replaces row["fused"])."""
+    from .tune import describe, tune
+
+    kernel = redfuser.compile(w.spec, tune=True)
+    geo = _geometry(kernel, inputs)
+    result = tune(kernel.rule, geo, top=3, repeat=3, rounds=2)
+    kernel = redfuser.compile(w.spec, tune=True)  # reads the entry the search just stored
+    row["fused"], row["tuned"] = _alternating([lambda: fused(**inputs),
+                                               lambda: kernel(**inputs)], repeat)
+    row["tuned plan"], row["tune s"] = describe(result.best), result.seconds
+
+
+def _alternating(fns: list[Callable[[], object]], repeat: int) -> list[float]:
+    """Median ms of each function, timed in turns (a noise burst hits all of them)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()  # warm-up
+    for _ in range(repeat):
+        for fn, out in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [float(np.median(t)) * 1e3 for t in times]
+
+
+def _geometry(kernel, inputs: dict):
+    from .analysis import geometry
+
+    return geometry(kernel.rule, kernel._layout(inputs))
 
 
 def _time_all(w: Workload, inputs: dict, fused, unfused, torch, repeat: int,
@@ -157,15 +209,17 @@ def _time_all(w: Workload, inputs: dict, fused, unfused, torch, repeat: int,
     return row
 
 
-COLUMNS = ("fused", "unfused", "numpy", "torch", "torch.compile", "copy")
+COLUMNS = ("fused", "tuned", "unfused", "numpy", "torch", "torch.compile", "copy")
 WIDTH = {c: max(9, len(c) + 1) for c in COLUMNS}
 
 
 def _line(row: dict) -> str:
-    cells = [f"{row[c]:{WIDTH[c]}.2f}" if c in row else f"{'-':>{WIDTH[c]}}" for c in COLUMNS]
+    cols = [c for c in COLUMNS if c != "tuned" or "tuned" in row]
+    cells = [f"{row[c]:{WIDTH[c]}.2f}" if c in row else f"{'-':>{WIDTH[c]}}" for c in cols]
     f = row["fused"]
     ratios = (f"unfused/fused {row['unfused'] / f:5.2f}  fused/copy {f / row['copy']:5.2f}" +
-              (f"  torch/fused {row['torch'] / f:5.2f}" if "torch" in row else ""))
+              (f"  torch/fused {row['torch'] / f:5.2f}" if "torch" in row else "") +
+              (f"  fused/tuned {f / row['tuned']:5.2f}" if "tuned" in row else ""))
     return f"{row['workload']:<34}" + "".join(cells) + "   " + ratios
 
 
@@ -175,11 +229,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--only", help="run the workloads whose name contains this")
+    p.add_argument("--tuned", action="store_true", help="add the tuned fused kernel (schedule "
+                   "search, stored in the tuning database) and the MetaSchedule comparison")
+    p.add_argument("--ms-trials", type=int, default=32, help="MetaSchedule's trial budget")
+    p.add_argument("--no-metaschedule", action="store_true",
+                   help="with --tuned: skip the MetaSchedule comparison")
     args = p.parse_args(argv)
     print(f"threads: {default_threads()} (TVM_NUM_THREADS; torch set to the same); times in ms, "
           f"medians of {args.repeat}")
-    print(f"{'workload':<34}" + "".join(f"{c:>{WIDTH[c]}}" for c in COLUMNS))
-    run(args.scale, args.repeat, not args.no_compile, args.only)
+    cols = [c for c in COLUMNS if c != "tuned" or args.tuned]
+    print(f"{'workload':<34}" + "".join(f"{c:>{WIDTH[c]}}" for c in cols))
+    run(args.scale, args.repeat, not args.no_compile, args.only, args.tuned)
+    if args.tuned and not args.no_metaschedule:
+        from .tune.compare import print_comparison
+
+        print_comparison(args.scale, args.ms_trials)
     return 0
 
 

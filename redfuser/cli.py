@@ -3,6 +3,9 @@
 ``redfuser derive "<spec>" | NAME | -f FILE | --all [--latex | --json]``: derive and prove.
 ``redfuser kernels [NAME ...]``: compile each library cascade (fused and unfused), check it
 against the float64 oracle and time both (what ``make demo`` runs after ``derive --all``).
+``redfuser tune "<spec>" | NAME --shape x=4096x4096``: search the schedule for those shapes,
+print predicted vs measured time per candidate, store the best in the tuning database.
+``redfuser bench [--tuned] ...``: the benchmark (``python -m redfuser.bench``).
 """
 
 from __future__ import annotations
@@ -100,6 +103,45 @@ def _max_rel_err(out: dict, ref: dict, np) -> float:
     return worst
 
 
+def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
+    """``["x=4096x4096", "scale="]`` -> {"x": (4096, 4096), "scale": ()}."""
+    shapes = {}
+    for item in items:
+        name, sep, dims = item.partition("=")
+        try:
+            if not sep or not name.isidentifier():
+                raise ValueError
+            shapes[name] = tuple(int(d) for d in dims.split("x")) if dims else ()
+        except ValueError:
+            raise SystemExit(f"redfuser tune: --shape wants NAME=AxBxC (e.g. x=4096x4096), "
+                             f"not {item!r}") from None
+    return shapes
+
+
+def _tune_cmd(args: argparse.Namespace) -> int:
+    from .tune import TuningDB, describe, machine, shape_geometry, space, tune
+
+    try:
+        rule = derive(args.spec)
+        rows = tuple(int(r) for r in args.rows.split("x"))
+        geo = shape_geometry(rule, _parse_shapes(args.shape), rows=rows, n=args.n, d=args.d)
+    except (SpecError, NotFusable, ValueError) as e:
+        print(f"redfuser tune: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    variants = tuple(args.variant) if args.variant else None
+    print(space(rule, geo, args.target, variants=variants))
+    figures = machine(args.target)
+    print(f"machine: {figures.name}")
+    db = False if args.no_store else TuningDB()
+    result = tune(rule, geo, args.target, top=args.top, repeat=args.repeat, rounds=args.rounds,
+                  variants=variants, db=db, figures=figures)
+    print(result.report())
+    print(f"best: {describe(result.best)}  ({result.best.reason})")
+    if db is not False:
+        print(f"stored in {db.path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="redfuser", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,5 +159,32 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--rows", type=int, default=512, help="rows (default 512)")
     k.add_argument("--n", type=int, default=2048, help="stream length N (default 2048)")
     k.add_argument("--d", type=int, default=64, help="feature length D (default 64)")
+    _tune_parser(sub)
+    sub.add_parser("bench", help="the benchmark (python -m redfuser.bench: its options "
+                                 "follow, e.g. --tuned)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark's own parser
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    return {"derive": _derive_cmd, "kernels": _kernels_cmd}[args.command](args)
+    return {"derive": _derive_cmd, "kernels": _kernels_cmd, "tune": _tune_cmd}[args.command](
+        args)
+
+
+def _tune_parser(sub) -> None:
+    t = sub.add_parser("tune", help="search the schedule for given shapes and remember it")
+    t.add_argument("spec", help="spec text or a library name")
+    t.add_argument("--shape", action="append", default=[], metavar="NAME=AxB",
+                   help="an input's shape (repeat per input); others from --rows/--n/--d")
+    t.add_argument("--rows", default="1024", help="row axes of the other inputs, e.g. 8x1024")
+    t.add_argument("--n", type=int, default=4096, help="stream length N (default 4096)")
+    t.add_argument("--d", type=int, default=64, help="feature length D (default 64)")
+    t.add_argument("--target", choices=("cpu", "cuda"), default="cpu")
+    t.add_argument("--variant", action="append", choices=("rolling", "split", "unfused"),
+                   help="search only these variants (repeatable)")
+    t.add_argument("--top", type=int, default=4, help="candidates measured (default 4, plus "
+                                                      "the hand-written plan)")
+    t.add_argument("--repeat", type=int, default=5, help="timed runs per measurement")
+    t.add_argument("--rounds", type=int, default=2, help="measurements per candidate")
+    t.add_argument("--no-store", action="store_true", help="do not write the database")

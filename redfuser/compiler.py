@@ -15,6 +15,17 @@ def compile(rule_or_spec: FusionRule | str, target: str = "cpu", **options) -> K
     ``plan.choose``), ``splits``, ``fast_math`` (polynomial exp; default True),
     ``threads``.  Only proven rules reach this point: ``derive`` refuses the rest.
 
+    Schedules (``tune``): each new shape first looks in the tuning database (written by
+    ``redfuser tune`` or an earlier ``tune=True``; see ``redfuser.tune``) and uses the
+    measured best plan stored there for this spec, shape, target and machine; without an
+    entry, ``plan.choose``'s hand-written rules decide.  ``tune=True`` searches a shape
+    that has no entry (the cost model ranks the schedule space, the best few candidates
+    are measured, the fastest is stored): seconds per new shape, once per machine.
+    ``tune="model"`` takes the cost model's first choice (variant included) without
+    measuring anything.
+    ``tune=False`` never reads the database; pinning ``variant``, ``splits`` or
+    ``threads`` also bypasses it.  A corrupt database is ignored with a warning.
+
     Examples
     --------
     >>> import numpy as np, redfuser

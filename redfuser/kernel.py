@@ -7,10 +7,15 @@ outputs (*rows[, D or k]) and per-element outputs (*rows, N[, D]).  Inputs are
 passed to TVM without a copy when they are float32 and contiguous (numpy arrays or
 any DLPack tensor such as torch's).  Kernels are specialised per shape: the first
 call with a new geometry compiles (tens of milliseconds), later calls hit a cache.
+The plan of a new geometry comes from the tuning database when it has one (``tune``:
+None reads it, True also searches a missing shape, "model" takes the cost model's first
+choice for a missing shape without measuring, False ignores the database;
+``redfuser.tune``), else from ``plan.choose``.
 """
 
 from __future__ import annotations
 
+import warnings
 from numbers import Number
 
 import numpy as np
@@ -40,10 +45,13 @@ class Kernel:
     """A compiled fusion rule: ``kernel(**inputs) -> dict[str, np.ndarray]``."""
 
     def __init__(self, rule: FusionRule, target: str = "cpu", variant: str | None = None,
-                 splits: int | None = None, fast_math: bool = True, threads: int | None = None):
+                 splits: int | None = None, fast_math: bool = True, threads: int | None = None,
+                 tune: bool | str | None = None):
         if target not in TARGETS:
             raise ValueError(f"target must be one of {sorted(TARGETS)}, not {target!r}")
-        self.rule, self.target = rule, target
+        if tune not in (None, True, False, "model"):
+            raise ValueError(f"tune must be None, True, False or 'model', not {tune!r}")
+        self.rule, self.target, self.tune = rule, target, tune
         self.options = {"variant": variant, "splits": splits, "fast_math": fast_math,
                         "threads": threads}
         self._cache: dict[tuple, tuple] = {}
@@ -61,14 +69,38 @@ class Kernel:
         return resolve(self.rule.cascade, inputs, dtype=np.float32)
 
     # Step 2. Compile for this geometry (cached) ---------------------------------------
-    def _compiled(self, geo: Geometry):
-        plan = choose(self.rule, geo, target=self.target, **self.options)
+    def _compiled(self, geo: Geometry, plan: Plan | None = None):
+        if plan is None:
+            plan = self._plan(geo)
+            if plan.reason.startswith(("tuned", "cost model")):
+                try:
+                    return self._compiled(geo, plan)
+                except Exception as e:  # noqa: BLE001 - a stale tuning record never stops us
+                    warnings.warn(f"redfuser: the tuned plan ({plan}) does not build here "
+                                  f"({type(e).__name__}); using the hand-written plan",
+                                  RuntimeWarning, stacklevel=2)
+                    plan = choose(self.rule, geo, target=self.target, **self.options)
         key = (geo.key(), plan)
         if key not in self._cache:
             func = build_primfunc(self.rule, geo, plan, FUNC_NAME, self.target)
             self._cache[key] = (func, build(func, TARGETS[self.target]()), plan)
         self._last = self._cache[key]
         return self._cache[key]
+
+    def _plan(self, geo: Geometry) -> Plan:
+        """The tuning database's plan for this geometry (searched first when ``tune=True``;
+        the cost model's pick when ``tune="model"``) unless the caller pinned
+        variant/splits/threads or said ``tune=False``; else ``plan.choose``'s rules."""
+        pinned = any(self.options[k] is not None for k in ("variant", "splits", "threads"))
+        if self.tune is not False and not pinned:
+            from .tune.search import model_plan, tuned_plan
+
+            plan = tuned_plan(self, geo, search=self.tune is True)
+            if plan is None and self.tune == "model":
+                plan = model_plan(self, geo)
+            if plan is not None:
+                return plan
+        return choose(self.rule, geo, target=self.target, **self.options)
 
     # Step 3. Run ----------------------------------------------------------------------
     def __call__(self, **inputs) -> dict[str, np.ndarray]:
@@ -96,6 +128,16 @@ class Kernel:
         _, executable, _ = self._compiled(geo)
         dev = device(TARGETS[self.target]())
         args = _input_tensors(layout, geo, dev)
+        args += [from_numpy(o, dev) for o in self._outputs(geo).values()]
+        return time_ms(executable, FUNC_NAME, dev, args, repeat)
+
+    def time_plan(self, geo: Geometry, plan: Plan, repeat: int = 5, seed: int = 0) -> float:
+        """Median milliseconds of ``plan`` built for ``geo`` on random inputs of that
+        geometry (what the schedule search measures; the build is cached like a call's)."""
+        _, executable, _ = self._compiled(geo, plan)
+        dev = device(TARGETS[self.target]())
+        g = np.random.default_rng(seed)
+        args = [from_numpy(_random_input(g, inp), dev) for _, inp in sorted(geo.inputs.items())]
         args += [from_numpy(o, dev) for o in self._outputs(geo).values()]
         return time_ms(executable, FUNC_NAME, dev, args, repeat)
 
@@ -133,6 +175,14 @@ class Kernel:
         """Compile for the geometry of ``inputs`` without running (arrays may be dummies)."""
         self._compiled(geometry(self.rule, self._layout(inputs)))
         return self
+
+
+def _random_input(g: np.random.Generator, inp) -> np.ndarray:
+    """Streams ~ N(0, 1); per-row parameters in [0.5, 1) (an eps or a scale stays positive)."""
+    shape = (inp.count, inp.length, inp.width)
+    if inp.length > 1:
+        return g.standard_normal(shape, np.float32)
+    return g.uniform(0.5, 1.0, shape).astype(np.float32)
 
 
 def _input_tensors(layout, geo: Geometry, dev) -> list:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 
 import numpy as np
 from hypothesis import HealthCheck, settings
@@ -28,6 +29,10 @@ _COMMON = dict(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                            HealthCheck.filter_too_much],
 )
+# Kernels read the tuning database by default: the tests must neither depend on what a user
+# tuned nor write to the real cache, so the whole session gets a fresh cache directory.
+os.environ["REDFUSER_CACHE"] = tempfile.mkdtemp(prefix="redfuser-test-cache-")
+
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True, **_COMMON)
 settings.register_profile("dev", **_COMMON)
 settings.register_profile("thorough", **{**_COMMON, "max_examples": 400})  # local bug hunts

@@ -1,0 +1,196 @@
+"""The machine figures the cost model reads, measured once per machine and cached.
+
+Every figure is measured with redfuser's own generated kernels, so it is what a kernel
+sees (the L3 here is hundreds of MB: a numpy copy of a "large" buffer measures cache
+bandwidth, and so would our kernels; measuring with them keeps the model honest):
+
+- ``bandwidth``: bytes/s of a one-pass ``sum(x[i])`` (16 lanes, every thread) at three
+  working-set sizes (in L2, in L3, beyond), interpolated in log size by ``bandwidth_at``.
+- ``vec_op`` / ``vec_exp``: seconds per element and thread of one arithmetic operation /
+  one (fast-math) transcendental call in 16 vector lanes, from ``sum(poly(x))`` and
+  ``sum(exp(x))`` against ``sum(x)`` on data in cache.
+- ``scalar_op`` / ``scalar_exp``: the same in one lane (independent elements overlap).
+- ``wide_op``: seconds per element, feature slot and operation of a one-lane fold over
+  feature vectors (``sum(x[i] * v[i, :])``: the slots' loads, multiply-adds and state
+  loads and stores; attention's and a GEMM's inner loops).
+- ``chain_op``: seconds per step of a dependent chain through a state (``sum(x[i])`` in
+  one lane: each add waits for the previous one): what a fold's recurrence costs.
+- ``launch``: seconds of a call that does almost nothing (thread-pool wake-up).
+
+Cached in ``cache_dir() / "machine.json"`` keyed by ``machine_id`` (CPU name, cores,
+threads); a corrupt or foreign file is ignored with a warning and measured again.
+CUDA figures are nominal (from the architecture) unless measured on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+
+from .db import cache_dir, read_json_checked, write_json_atomic
+
+FORMAT, VERSION, FILENAME = "redfuser-machine", 1, "machine.json"
+MB = 1 << 20
+# (bytes of x, rows): in L2, in L3, beyond the L3 of most machines
+BANDWIDTH_POINTS = ((1 * MB, 64), (16 * MB, 1024), (128 * MB, 8192))
+POLY = "s = sum(x[i]*(x[i]*(x[i]*(x[i]*(x[i] + 1) + 2) + 3) + 4))"  # op-heavy, no calls
+WIDE = "o = sum(x[i] * v[i, :])"  # a feature-axis fold: 5 slot operations (cost.py counts)
+WIDE_SHAPE = (32, 256, 64)  # 2 MB of v: in the L2 caches
+# Nominal CUDA figures (bytes/s, seconds per op and per exp per element-thread, launch s):
+# H100/H200-class parts (sm_90), used until a device run measures better ones.
+CUDA_NOMINAL = {"sm_90": (3.3e12, 1.0 / 6.0e13, 4.0 / 6.0e13, 4e-6)}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Measured figures of one machine (see the module docstring for each)."""
+
+    name: str
+    threads: int
+    bandwidth: tuple[tuple[float, float], ...]  # (working-set bytes, bytes/s), ascending
+    vec_op: float
+    vec_exp: float
+    scalar_op: float
+    scalar_exp: float
+    chain_op: float
+    wide_op: float
+    launch: float
+
+    def bandwidth_at(self, nbytes: float) -> float:
+        """Bytes/s for a working set of ``nbytes`` (log-linear between measured points).
+
+        Examples
+        --------
+        >>> m = Machine("m", 2, ((1e6, 8e10), (1e8, 2e10)), 1e-10, 1e-9, 1e-9, 1e-8, 1e-9,
+        ...             1e-11, 1e-5)
+        >>> m.bandwidth_at(1e3), m.bandwidth_at(1e7), m.bandwidth_at(1e9)
+        (80000000000.0, 50000000000.0, 20000000000.0)
+        """
+        pts = self.bandwidth
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+            if nbytes <= x1:
+                w = math.log(nbytes / x0) / math.log(x1 / x0)
+                return y0 + w * (y1 - y0)
+        return pts[-1][1]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict) -> Machine:
+        bw = tuple((float(a), float(b)) for a, b in data["bandwidth"])
+        return Machine(**{**data, "bandwidth": bw})
+
+
+def machine_id(target: str = "cpu") -> str:
+    """What a measurement is valid for: CPU name, cores and runtime threads (or the GPU).
+
+    Examples
+    --------
+    >>> machine_id().count("/")
+    2
+    """
+    from ..tvm_adapter import cpu_target, default_threads
+
+    if target == "cuda":
+        return f"cuda/{_cuda_name()}"
+    return f"{cpu_target()['mcpu']}/{os.cpu_count()} cpus/{default_threads()} threads"
+
+
+def _cuda_name() -> str:
+    try:
+        import tvm
+
+        dev = tvm.cuda(0)
+        return str(dev.device_name) if dev.exist else "sm_90"
+    except Exception:  # noqa: BLE001 - no driver: name the architecture we compile for
+        return "sm_90"
+
+
+def machine(target: str = "cpu", measure: bool = True) -> Machine:
+    """This machine's figures: from the cache, else measured (about 2 s) and cached.
+
+    ``measure=False`` returns nominal figures instead of measuring (quick estimates)."""
+    key = machine_id(target)
+    if target == "cuda":
+        bw, op, ex, launch = CUDA_NOMINAL["sm_90"]
+        return Machine(key, 1, ((1.0, bw),), op, ex, op, ex, op * 4, op, launch)
+    path = cache_dir() / FILENAME
+    entries = read_json_checked(path, FORMAT, VERSION)
+    if key in entries:
+        try:
+            return Machine.from_json(entries[key])
+        except (KeyError, TypeError, ValueError):
+            pass  # an older layout of the record: measure again
+    if not measure:
+        return nominal_cpu(key)
+    found = measure_cpu(key)
+    entries[key] = found.to_json()
+    write_json_atomic(path, {"format": FORMAT, "version": VERSION, "entries": entries})
+    return found
+
+
+def nominal_cpu(name: str = "nominal") -> Machine:
+    """Round figures of a 2-core AVX-512 server (for estimates without measuring)."""
+    return Machine(name, 2, ((1 * MB, 6e10), (16 * MB, 3e10), (128 * MB, 2.5e10)),
+                   vec_op=1e-11, vec_exp=7e-10, scalar_op=1.4e-10, scalar_exp=6e-9,
+                   chain_op=1e-9, wide_op=4e-12, launch=2e-6)
+
+
+def measure_cpu(name: str) -> Machine:
+    """Time the calibration kernels (a few seconds) and derive the figures.  A figure that
+    noise drove below a quarter of its nominal value is floored there (a difference of two
+    noisy times can even come out negative)."""
+    from ..tvm_adapter import default_threads
+
+    threads = default_threads()
+    launch = _time("s = sum(x[i])", {"x": (threads, 64)}, 16) / 1e3
+    bandwidth = []
+    for nbytes, rows in BANDWIDTH_POINTS:
+        seconds = _time("s = sum(x[i])", {"x": (rows, nbytes // 4 // rows)}, 16) / 1e3 - launch
+        bandwidth.append((float(nbytes), nbytes / max(seconds, 1e-9)))
+    out = _arithmetic(threads)
+    r, n, d = WIDE_SHAPE
+    wide = _time(WIDE, {"x": (r, n), "v": WIDE_SHAPE}, 1) / 1e3 - launch
+    out["wide_op"] = wide * threads / (r * n * d * 5)
+    floor = nominal_cpu().to_json()
+    out = {k: max(v, floor[k] / 4) for k, v in out.items()}
+    return Machine(name, threads, tuple(bandwidth), launch=launch, **out)
+
+
+def _arithmetic(threads: int) -> dict[str, float]:
+    """Seconds per op, per call and per chain step, in 16 lanes and in one (data in cache)."""
+    from .work import element_work
+
+    shape = {"x": (64, 4096)}  # 1 MB: in cache, so arithmetic is what is timed
+    per = threads / (64 * 4096) / 1e3  # ms of the whole call -> s per element and thread
+    extra_ops = element_work(POLY).ops - element_work("s = sum(x[i])").ops
+    out = {}
+    for lanes, tag in ((16, "vec"), (1, "scalar")):
+        base = _time("s = sum(x[i])", shape, lanes)
+        if lanes == 1:  # one add per element, each waiting for the previous one
+            out["chain_op"] = base * per
+        out[f"{tag}_op"] = (_time(POLY, shape, lanes) - base) * per / extra_ops
+        out[f"{tag}_exp"] = (_time("s = sum(exp(x[i]))", shape, lanes) - base) * per
+    return out
+
+
+def _time(spec: str, shapes: dict, lanes: int) -> float:
+    """Best of three medians (ms) of ``spec``'s rolling kernel with ``lanes`` lanes."""
+    import numpy as np
+
+    import redfuser
+
+    from ..kernel import Kernel
+    from ..plan import TILE, Plan
+    from .space import shape_geometry
+
+    rule = redfuser.derive(spec)
+    geo = shape_geometry(rule, shapes)
+    plan = Plan("rolling", lanes, 1, True, "calibration", tile=TILE if lanes > 1 else 1)
+    kernel = Kernel(rule, tune=False)
+    kernel.time_plan(geo, plan, repeat=1)  # warm-up: JIT and page faults
+    return float(np.min([kernel.time_plan(geo, plan, repeat=5) for _ in range(3)]))

@@ -1,0 +1,244 @@
+"""The measured search: rank the space with the cost model, measure the best few, keep
+the fastest, remember it.
+
+``tune(rule, geo)`` enumerates ``space.space`` (every candidate a ``Plan``), predicts
+each with ``cost.predict`` on this machine's figures, builds and times the ``top``
+predicted candidates, the best predicted of each other variant (rolling, split,
+unfused: a wrong variant call by the model gets caught) and the hand-written plan
+(``plan.choose``; it stays unless a candidate beats it by ``MARGIN``, so a tuned kernel
+is never slower than the untuned one by more than the noise), ``rounds`` times each,
+interleaved (a burst of noise on a shared machine hits every candidate alike), and
+keeps each candidate's best median.  The winner is stored in the tuning database
+(``db.TuningDB``) under the rule's canonical spec, the geometry, dtype, target and
+machine; ``Kernel`` reads it on later compiles (``tuned_plan``).  A progress bar shows
+on a terminal; ``TuneResult.report()`` prints predicted vs measured per candidate.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+
+from ..analysis import Geometry
+from ..plan import Plan
+from .cost import predict
+from .db import TuningDB, entry_key
+from .machine import Machine, machine, machine_id
+from .space import plan_from_params, plan_params, same_plan, space
+
+
+@dataclass
+class Trial:
+    """One candidate: predicted and (when measured) measured milliseconds."""
+
+    plan: Plan
+    predicted_ms: float
+    measured_ms: float | None = None
+    error: str = ""
+
+
+@dataclass
+class TuneResult:
+    """What a search found (``cached``: read from the database, nothing measured)."""
+
+    best: Plan
+    trials: list[Trial] = field(default_factory=list)
+    seconds: float = 0.0
+    candidates: int = 0
+    cached: bool = False
+    key: str = ""
+
+    @property
+    def measured(self) -> list[Trial]:
+        return [t for t in self.trials if t.measured_ms is not None]
+
+    def report(self) -> str:
+        """Predicted vs measured milliseconds of every measured candidate."""
+        if self.cached:
+            return f"from the tuning database: {describe(self.best)} ({self.best.reason})"
+        lines = [f"{len(self.measured)} of {self.candidates} candidates measured in "
+                 f"{self.seconds:.1f} s (ranked by the cost model; * = kept)",
+                 f"  {'plan':<40} {'predicted':>10} {'measured':>10} {'meas/pred':>9}"]
+        for t in sorted(self.trials, key=lambda t: t.predicted_ms):
+            if t.measured_ms is None and not t.error:
+                continue
+            mark = "*" if same_plan(t.plan, self.best) else " "
+            meas = f"{t.measured_ms:8.3f}ms" if t.measured_ms is not None else t.error[:30]
+            ratio = f"{t.measured_ms / t.predicted_ms:9.2f}" if t.measured_ms else ""
+            lines.append(f"{mark} {describe(t.plan):<40} {t.predicted_ms:8.3f}ms {meas:>10} "
+                         f"{ratio}")
+        return "\n".join(lines)
+
+
+def describe(plan: Plan) -> str:
+    """A plan's searched parameters in one short line.
+
+    Examples
+    --------
+    >>> describe(Plan("split", 16, 4, tile=8))
+    'split lanes=16 tile=8 splits=4'
+    """
+    params = plan_params(plan)
+    hidden = {"variant"} | ({"lanes", "tile"} if plan.threads > 1 else {"threads"})
+    shown = [f"{k}={v}" for k, v in params.items() if k not in hidden and not (
+        (k == "splits" and plan.variant != "split") or (k == "row_block" and v == 1))]
+    return " ".join([plan.variant, *shown])
+
+
+def rank(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
+         variants: tuple[str, ...] | None = None,
+         figures: Machine | None = None) -> list[Trial]:
+    """Every candidate of the space with its predicted time, fastest first.
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.tune.machine import nominal_cpu
+    >>> from redfuser.tune.space import shape_geometry
+    >>> rule = redfuser.derive("softmax")
+    >>> best = rank(rule, shape_geometry(rule, {"x": (4096, 4096)}), figures=nominal_cpu())[0]
+    >>> best.plan.variant, best.plan.lanes > 1
+    ('rolling', True)
+    """
+    figures = figures or machine(target)
+    plans = space(rule, geo, target, fast_math, variants).candidates()
+    trials = [Trial(p, predict(rule, geo, p, figures, target).ms) for p in plans]
+    return sorted(trials, key=lambda t: t.predicted_ms)
+
+
+def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5,
+         rounds: int = 2, fast_math: bool = True, variants: tuple[str, ...] | None = None,
+         db: TuningDB | None | bool = None, progress: bool = True, kernel=None,
+         figures: Machine | None = None) -> TuneResult:
+    """Search the schedule of ``rule`` at ``geo``: rank, measure the ``top`` few and the
+    hand-written plan, keep the fastest and store it (``db=False``: do not store).
+
+    Examples
+    --------
+    >>> import redfuser, tempfile
+    >>> from redfuser.tune.machine import nominal_cpu
+    >>> from redfuser.tune.space import shape_geometry
+    >>> rule = redfuser.derive("softmax")
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> db = TuningDB(tmp.name + "/tuning.json")
+    >>> res = tune(rule, shape_geometry(rule, {"x": (8, 256)}), top=2, repeat=2,
+    ...            rounds=1, db=db, progress=False, figures=nominal_cpu())
+    >>> len(res.measured) >= 2 and db.get(res.key)["plan"] == plan_params(res.best)
+    True
+    >>> tmp.cleanup()
+    """
+    from ..kernel import Kernel
+
+    if top < 1 or repeat < 1 or rounds < 1:
+        raise ValueError("top, repeat and rounds must be positive integers")
+    start = time.perf_counter()
+    kernel = kernel or Kernel(rule, target, fast_math=fast_math, tune=False)
+    trials = rank(rule, geo, target, fast_math, variants, figures)
+    chosen = _to_measure(trials, rule, geo, target, fast_math, top)
+    _measure(kernel, geo, chosen, repeat, rounds, progress)
+    done = [t for t in chosen if t.measured_ms is not None]
+    if not done:
+        raise RuntimeError("no candidate could be built and timed: " +
+                           "; ".join(t.error for t in chosen))
+    win = _winner(done, chosen[-1] if any(t is chosen[-1] for t in done) else None)
+    best = replace(win.plan, reason=f"tuned: {win.measured_ms:.3f} ms measured, best of "
+                                    f"{len(done)} (model {win.predicted_ms:.3f} ms)")
+    result = TuneResult(best, trials, time.perf_counter() - start, len(trials),
+                        key=entry_key(rule, geo, target, machine_id(target), fast_math))
+    if db is not False:
+        _store(db or TuningDB(), result, win)
+    return result
+
+
+def _to_measure(trials, rule, geo, target, fast_math, top) -> list[Trial]:
+    """The ``top`` predicted candidates, the best predicted of every other variant (so a
+    wrong variant call by the model is caught) and the hand-written plan (the baseline)."""
+    from ..plan import choose
+
+    chosen = trials[:top]
+    for variant in dict.fromkeys(t.plan.variant for t in trials):
+        if not any(t.plan.variant == variant for t in chosen):
+            chosen.append(next(t for t in trials if t.plan.variant == variant))
+    hand = choose(rule, geo, target=target, fast_math=fast_math)
+    match = [t for t in trials if same_plan(t.plan, hand)] or [Trial(hand, float("nan"))]
+    return [t for t in chosen if t is not match[0]] + match[:1]  # the hand-written one last
+
+
+MARGIN = 0.05  # a candidate must beat the hand-written plan by this much to replace it
+
+
+def _winner(done: list[Trial], hand: Trial | None) -> Trial:
+    """The fastest measured candidate, unless it is within the noise (MARGIN) of the
+    hand-written plan, which then stays (a tie is not worth a different kernel)."""
+    win = min(done, key=lambda t: t.measured_ms)
+    if hand is not None and win.measured_ms * (1 + MARGIN) > hand.measured_ms:
+        return hand
+    return win
+
+
+def _measure(kernel, geo: Geometry, chosen: list[Trial], repeat: int, rounds: int,
+             progress: bool) -> None:
+    """Build and time every chosen candidate ``rounds`` times, interleaved; keep the best."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(chosen) * rounds, desc="tuning", unit="run", leave=False,
+               disable=None if progress else True)
+    try:
+        for _ in range(rounds):
+            for t in chosen:
+                bar.update(1)
+                if t.error:
+                    continue
+                try:
+                    ms = kernel.time_plan(geo, t.plan, repeat)
+                except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped
+                    t.error = f"{type(e).__name__}: {e}".splitlines()[0]
+                    continue
+                t.measured_ms = ms if t.measured_ms is None else min(t.measured_ms, ms)
+    finally:
+        bar.close()
+
+
+def _store(db: TuningDB, result: TuneResult, win: Trial) -> None:
+    record = {"plan": plan_params(win.plan), "measured_ms": win.measured_ms,
+              "predicted_ms": win.predicted_ms, "candidates": result.candidates,
+              "measured": len(result.measured), "seconds": round(result.seconds, 3)}
+    try:
+        db.put(result.key, record)
+    except OSError as e:
+        warnings.warn(f"redfuser: could not write the tuning database {db.path}: {e}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def model_plan(kernel, geo: Geometry) -> Plan:
+    """The cost model's first choice, nothing measured (``compile(..., tune="model")``)."""
+    best = rank(kernel.rule, geo, kernel.target, kernel.options["fast_math"])[0]
+    return replace(best.plan, reason=f"cost model: {best.predicted_ms:.3f} ms predicted, "
+                                     "not measured")
+
+
+def tuned_plan(kernel, geo: Geometry, search: bool = False,
+               db: TuningDB | None = None) -> Plan | None:
+    """The database's plan for ``kernel``'s rule at ``geo`` (None when there is none);
+    with ``search``, tune first when there is none.  Never raises on a bad database."""
+    fast_math = kernel.options["fast_math"]
+    db = db or TuningDB()
+    key = entry_key(kernel.rule, geo, kernel.target, machine_id(kernel.target), fast_math)
+    record = db.get(key)
+    if record is not None:
+        try:
+            return plan_from_params(record["plan"], fast_math,
+                                    f"tuned: {float(record['measured_ms']):.3f} ms measured")
+        except (KeyError, TypeError, ValueError) as e:
+            warnings.warn(f"redfuser: ignoring a tuning record in {db.path}: {e}",
+                          RuntimeWarning, stacklevel=2)
+    if not search:
+        return None
+    try:
+        return tune(kernel.rule, geo, kernel.target, fast_math=fast_math, db=db,
+                    kernel=kernel).best
+    except RuntimeError as e:  # nothing could be measured (e.g. no device): hand-written
+        warnings.warn(f"redfuser: schedule search failed ({e}); using the hand-written plan",
+                      RuntimeWarning, stacklevel=2)
+        return None

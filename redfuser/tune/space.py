@@ -1,0 +1,307 @@
+"""The schedule space: which plan parameters apply to a rule at a geometry, and their values.
+
+Every candidate is a ``Plan``; the space is derived from the rule and the shapes, never
+listed per workload.  CPU (``llvm``):
+
+==========  ===================  =====================================================
+parameter   variants             applies when / values
+==========  ===================  =====================================================
+variant     -                    rolling (rows in parallel), split (pieces of rows in
+                                 parallel, combined with the merge; when N holds two
+                                 pieces of 32), unfused (one pass per reduction)
+lanes       all                  every state is a per-row scalar (``plan.vector_lanes``):
+                                 1, 4, 8, 16, 32 (with 2 x lanes <= N); else 1.  The
+                                 unfused baseline: when one of its stages can vectorize
+tile        all                  elements per lane folded at fixed anchors before a merge:
+                                 a component is re-anchored (1, 2, 4, 8, 16 with lanes,
+                                 1, 4, 8, 16, 32 in one lane), or lanes > 1 (then
+                                 {1, hand-written}: an unroll), or rows are blocked
+splits      split                2, 4, ... 64 and the hand-written choice, each piece
+                                 of 32 elements or more (and two tiles)
+row_block   rolling, unfused     rows folded together sharing each load: one lane, a
+                                 stream broadcast across rows with a feature axis that
+                                 fills whole vectors (``Plan.row_block``, when the
+                                 lowering has it): 1, 2, 4, 8 with every thread a block
+==========  ===================  =====================================================
+
+CUDA: variant; ``threads`` per block (powers of two from 32 up to what the shared-memory
+state allows); ``splits`` for split.  ``fast_math`` is not searched: it changes results.
+The hand-written plan (``plan.choose``) is always in the space.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from algebra.components import LinearComponent
+
+from ..analysis import Geometry, geometry
+from ..plan import VARIANTS, Plan, choose, vector_lanes
+
+TUNED = ("variant", "lanes", "tile", "splits", "threads", "row_block")  # Plan fields searched
+LANE_VALUES = (1, 4, 8, 16, 32)
+TILES_LANES = (1, 2, 4, 8, 16)  # lanes > 1: elements per lane per tile
+TILES_ONE = (1, 4, 8, 16, 32)  # one lane: elements per tile (attention's keys)
+SPLIT_VALUES = (2, 4, 8, 16, 32, 64)
+ROW_BLOCKS = (1, 2, 4, 8)
+CUDA_THREADS = (32, 64, 128, 256, 512, 1024)
+MIN_PIECE = 32  # elements of a split piece: shorter ones cost more to merge than they save
+MAX_TILE_ELEMENTS = 256  # lanes x tile: beyond it a tile's registers spill
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a variant: its values (one value: fixed) and why."""
+
+    name: str
+    values: tuple[int, ...]
+    why: str
+
+
+@dataclass(frozen=True)
+class Space:
+    """The parameters of each variant for one rule, geometry and target."""
+
+    target: str
+    geo: Geometry
+    variants: dict[str, tuple[Param, ...]]
+    fast_math: bool = True
+    default: Plan | None = None  # the hand-written plan (always a candidate)
+
+    def candidates(self) -> list[Plan]:
+        """Every valid plan of the space, the hand-written one first."""
+        out = [self.default] if self.default is not None else []
+        for variant, params in self.variants.items():
+            names = [p.name for p in params]
+            for values in itertools.product(*(p.values for p in params)):
+                plan = plan_from_params({"variant": variant, **dict(zip(names, values,
+                                                                        strict=True))},
+                                        self.fast_math, "candidate")
+                if _valid(plan, self.geo) and not any(same_plan(plan, o) for o in out):
+                    out.append(plan)
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"schedule space ({self.target}, rows {self.geo.r}, N {self.geo.n}, "
+                 f"D {self.geo.d}): {len(self.candidates())} candidates"]
+        for variant, params in self.variants.items():
+            lines.append(f"  {variant}:")
+            lines += [f"    {p.name:<9} {', '.join(map(str, p.values)):<18} {p.why}"
+                      for p in params]
+        return "\n".join(lines)
+
+
+def space(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
+          variants: tuple[str, ...] | None = None, threads: int | None = None) -> Space:
+    """The schedule space of ``rule`` at ``geo`` (see the module docstring).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> rule = redfuser.derive("softmax")
+    >>> s = space(rule, shape_geometry(rule, {"x": (64, 1024)}))
+    >>> [p.name for p in s.variants["rolling"]], len(s.candidates()) > 20
+    (['lanes', 'tile'], True)
+    """
+    from ..tvm_adapter import default_threads
+
+    variants = variants or VARIANTS
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {VARIANTS}")
+    threads = threads or default_threads()
+    table = _cuda_params if target == "cuda" else _cpu_params
+    found = {v: table(rule, geo, v, threads) for v in variants}
+    default = choose(rule, geo, target=target, fast_math=fast_math,
+                     threads=None if target == "cuda" else threads)
+    keep = default.variant in variants
+    return Space(target, geo, {v: p for v, p in found.items() if p is not None}, fast_math,
+                 dataclasses.replace(default, reason="hand-written") if keep else None)
+
+
+def _cpu_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param, ...] | None:
+    lanes = _lanes(rule, geo, variant)
+    block = _row_block(geo, lanes, threads) if variant != "split" else None
+    params = [lanes, _tile(rule, lanes, block is not None), block]
+    if variant == "split":
+        splits = _splits(rule, geo, threads)
+        if splits is None:
+            return None
+        params.append(splits)
+    return tuple(p for p in params if p is not None)
+
+
+def _lanes(rule, geo: Geometry, variant: str) -> Param:
+    if variant == "unfused":
+        from .work import rule_work
+
+        ok = any(rule_work(rule, geo).stage_lanes)
+    else:
+        ok = vector_lanes(rule, geo) > 1
+    if not ok:
+        return Param("lanes", (1,), "a state carries the feature axis, a dot product or a "
+                                    "top-k insertion: one lane")
+    return Param("lanes", tuple(v for v in LANE_VALUES if 2 * v <= geo.n),
+                 "every state is a per-row scalar: the update runs in vector lanes")
+
+
+def _anchored(rule) -> bool:
+    return any(isinstance(c, LinearComponent) and c.anchors for c in rule.components)
+
+
+def _tile(rule, lanes: Param, blocks: bool) -> Param | None:
+    if blocks and not _anchored(rule):
+        return Param("tile", TILES_ONE, "rows are blocked: elements per tile of the block")
+    if _anchored(rule):
+        values = sorted(set(TILES_LANES if max(lanes.values) > 1 else ()) |
+                        set(TILES_ONE if min(lanes.values) == 1 else ()))
+        return Param("tile", tuple(values), "a state is re-anchored: the rescale is paid "
+                                            "once per tile")
+    if max(lanes.values) > 1:
+        return Param("tile", (1, 8), "lanes: tiles unroll the fold (nothing re-anchored)")
+    return None
+
+
+def _splits(rule, geo: Geometry, threads: int) -> Param | None:
+    hand = choose(rule, geo, variant="split", threads=threads).splits
+    values = [s for s in sorted(set(SPLIT_VALUES) | {hand}) if geo.n // s >= MIN_PIECE]
+    if not values:
+        return None
+    return Param("splits", tuple(values), "pieces per row, in parallel, combined with the "
+                                          "derived merge")
+
+
+def _row_block(geo: Geometry, lanes: Param, threads: int) -> Param | None:
+    if "row_block" not in {f.name for f in fields(Plan)} or lanes.values != (1,):
+        return None
+    shared = any(g.count < geo.r and g.length > 1 and g.width > 1 for g in geo.inputs.values())
+    values = tuple(b for b in ROW_BLOCKS if b * threads <= geo.r)
+    if not shared or geo.d % 16 or len(values) < 2:
+        return None
+    return Param("row_block", values, "a stream is shared by the rows: a block of rows "
+                                      "shares each load of it")
+
+
+def _cuda_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param, ...] | None:
+    from ..gpu import threads_for
+
+    most = threads_for(rule, geo, limit=max(CUDA_THREADS))
+    block = Param("threads", tuple(t for t in CUDA_THREADS if t <= most),
+                  "threads per block, combined by a shared-memory merge tree")
+    if variant != "split":
+        return (block,)
+    values = tuple(s for s in SPLIT_VALUES if geo.n // s >= MIN_PIECE)
+    return (block, Param("splits", values, "blocks per row, combined with the merge")) \
+        if values else None
+
+
+def _valid(plan: Plan, geo: Geometry) -> bool:
+    """Constraints between parameters: a tile fits the stream and the registers, a split
+    piece holds two tiles, lanes > 1 tile only in TILES_LANES (one lane: TILES_ONE)."""
+    step = plan.lanes * plan.tile
+    if step > MAX_TILE_ELEMENTS or 2 * step > geo.n:
+        return step == 1
+    if plan.lanes > 1 and plan.tile not in TILES_LANES:
+        return False
+    if plan.variant == "split" and geo.n // plan.splits < 2 * step:
+        return False
+    return getattr(plan, "row_block", 1) == 1 or plan.tile > 1
+
+
+def same_plan(a: Plan, b: Plan) -> bool:
+    """Do two plans build the same kernel (the ``reason`` aside)?"""
+    return plan_params(a) == plan_params(b) and a.fast_math == b.fast_math
+
+
+def plan_params(plan: Plan) -> dict[str, object]:
+    """The searched parameters of a plan, as stored in the tuning database.
+
+    Examples
+    --------
+    >>> plan_params(Plan("rolling", 16, tile=8))["tile"]
+    8
+    """
+    have = {f.name for f in fields(Plan)}
+    return {k: getattr(plan, k) for k in TUNED if k in have}
+
+
+def plan_from_params(params: dict, fast_math: bool = True, reason: str = "") -> Plan:
+    """A ``Plan`` from explicit parameters (a database record, a CLI request).
+
+    Examples
+    --------
+    >>> plan_from_params({"variant": "split", "lanes": 16, "splits": 4}).splits
+    4
+    >>> try:
+    ...     plan_from_params({"variant": "rolling", "tiles": 8})
+    ... except ValueError as e:
+    ...     print(str(e)[:42])
+    unknown plan parameter(s) ['tiles']; known
+    """
+    have = [k for k in TUNED if k in {f.name for f in fields(Plan)}]
+    unknown = sorted(set(params) - set(have))
+    if unknown:
+        raise ValueError(f"unknown plan parameter(s) {unknown}; known: {', '.join(have)}")
+    if params.get("variant") not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, not {params.get('variant')!r}")
+    for k, v in params.items():
+        if k != "variant" and (not isinstance(v, int | np.integer) or isinstance(v, bool)
+                               or v < 1):
+            raise ValueError(f"plan parameter {k} must be a positive integer, not {v!r}")
+    return Plan(**{k: (v if k == "variant" else int(v)) for k, v in params.items()},
+                fast_math=fast_math, reason=reason)
+
+
+def shape_geometry(rule, shapes: dict[str, tuple] | None = None, rows: tuple | None = None,
+                   n: int | None = None, d: int | None = None) -> Geometry:
+    """The geometry of inputs of the given shapes, without data.  Inputs not in ``shapes``
+    take their kind's shape: streams (*rows, n) or (*rows, n, d), parameters scalars or
+    (*rows, d) when they carry the feature axis; rows, n and d default to those of the
+    first given stream (else (1,), 64 and 16).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> geo = shape_geometry(redfuser.derive("attention"),
+    ...                      {"q": (8, 4, 64), "k": (8, 1, 256, 64), "v": (8, 1, 256, 64)})
+    >>> geo.rows, geo.n, geo.d
+    ((8, 4), 256, 64)
+    >>> shape_geometry(redfuser.derive("rmsnorm"), {"x": (8, 256)}).inputs["g"].length
+    256
+    """
+    from algebra.layout import resolve
+
+    c, shapes = rule.cascade, dict(shapes or {})
+    streams = {s.name for s in c.streams}
+    unknown = sorted(set(shapes) - streams - {p.name for p in c.params})
+    if unknown:
+        raise ValueError(f"unknown input(s) {unknown}: the spec reads "
+                         f"{sorted(streams | {p.name for p in c.params})}")
+    rows, n, d = _defaults(c, shapes, rows, n, d)
+    arrays = {}
+    for name in sorted(streams | {p.name for p in c.params}):
+        vec = name in c.vector_inputs
+        shape = shapes.get(name)
+        if shape is None:
+            shape = ((*rows, n) if name in streams else (*rows,) if vec else ()) + \
+                ((d,) if vec else ())
+        shape = tuple(int(s) for s in shape)
+        arrays[name] = np.broadcast_to(np.float32(0.5), shape) if shape else 0.5
+    return geometry(rule, resolve(c, arrays, dtype=np.float32))
+
+
+def _defaults(c, shapes: dict, rows, n, d) -> tuple[tuple, int, int]:
+    """rows, n, d from the first given stream where the caller did not say."""
+    for s in sorted(x.name for x in c.streams):
+        shape = tuple(shapes.get(s, ()))
+        if len(shape) >= 2 and s in c.vector_inputs:
+            rows, n, d = rows or shape[:-2], n or shape[-2], d or shape[-1]
+        elif shape:
+            rows, n = rows or shape[:-1], n or shape[-1]
+        if shape:
+            break
+    return tuple(rows or (1,)), int(n or 64), int(d or 16)
