@@ -70,16 +70,20 @@ class Kernel:
 
     # Step 2. Compile for this geometry (cached) ---------------------------------------
     def _compiled(self, geo: Geometry, plan: Plan | None = None):
-        if plan is None:
-            plan = self._plan(geo)
-            if plan.reason.startswith(("tuned", "cost model")):
-                try:
-                    return self._compiled(geo, plan)
-                except Exception as e:  # noqa: BLE001 - a stale tuning record never stops us
-                    warnings.warn(f"redfuser: the tuned plan ({plan}) does not build here "
-                                  f"({type(e).__name__}); using the hand-written plan",
-                                  RuntimeWarning, stacklevel=2)
-                    plan = choose(self.rule, geo, target=self.target, **self.options)
+        if plan is not None:
+            return self._build(geo, plan)
+        plan, tuned = self._plan(geo)
+        try:
+            return self._build(geo, plan)
+        except Exception as e:  # noqa: BLE001 - a stale tuning record never stops us
+            if not tuned:
+                raise
+            warnings.warn(f"redfuser: the tuned plan ({plan}) does not build here "
+                          f"({type(e).__name__}); using the hand-written plan",
+                          RuntimeWarning, stacklevel=2)
+            return self._build(geo, choose(self.rule, geo, target=self.target, **self.options))
+
+    def _build(self, geo: Geometry, plan: Plan):
         key = (geo.key(), plan)
         if key not in self._cache:
             func = build_primfunc(self.rule, geo, plan, FUNC_NAME, self.target)
@@ -87,10 +91,11 @@ class Kernel:
         self._last = self._cache[key]
         return self._cache[key]
 
-    def _plan(self, geo: Geometry) -> Plan:
-        """The tuning database's plan for this geometry (searched first when ``tune=True``;
-        the cost model's pick when ``tune="model"``) unless the caller pinned
-        variant/splits/threads or said ``tune=False``; else ``plan.choose``'s rules."""
+    def _plan(self, geo: Geometry) -> tuple[Plan, bool]:
+        """(plan, from tuning) for this geometry: the tuning database's plan (searched
+        first when ``tune=True``; the cost model's pick when ``tune="model"``) unless the
+        caller pinned variant/splits/threads or said ``tune=False``; else
+        ``plan.choose``'s rules."""
         pinned = any(self.options[k] is not None for k in ("variant", "splits", "threads"))
         if self.tune is not False and not pinned:
             from .tune.search import model_plan, tuned_plan
@@ -99,8 +104,8 @@ class Kernel:
             if plan is None and self.tune == "model":
                 plan = model_plan(self, geo)
             if plan is not None:
-                return plan
-        return choose(self.rule, geo, target=self.target, **self.options)
+                return plan, True
+        return choose(self.rule, geo, target=self.target, **self.options), False
 
     # Step 3. Run ----------------------------------------------------------------------
     def __call__(self, **inputs) -> dict[str, np.ndarray]:

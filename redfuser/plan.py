@@ -105,7 +105,7 @@ def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:
     ROW_BLOCK rows, like a GEMM micro-kernel.  Only for one-lane rules whose feature axis
     fills whole vectors, only while every thread keeps a block, and only where a row's
     share of the stream outgrows the L1 cache (below that, re-reading it per row is cheap
-    and the 4 copies of the fold cost compile time: 0.5 s -> 1.6 s for attention)."""
+    and the ROW_BLOCK copies of the fold cost compile time: 0.5 s -> 3.4 s for attention)."""
     shared = any(g.count < geo.r and g.length > 1 and g.width > 1 and
                  g.length * g.width >= BLOCK_MIN_ELEMENTS for g in geo.inputs.values())
     enough = geo.r >= ROW_BLOCK * threads

@@ -129,7 +129,7 @@ def test_every_parameter_value_builds_and_matches_the_oracle(name, shapes):
     for plan in _covering(space(rule, geo).candidates()):
         kernel = Kernel(rule, tune=False)
         kernel._compiled(geo, plan)
-        kernel._plan = lambda g, plan=plan: plan  # this candidate, not choose's
+        kernel._plan = lambda g, plan=plan: (plan, False)  # this candidate, not choose's
         out = kernel(**inputs)
         for k, r in ref.items():
             if np.asarray(out[k]).dtype.kind in "iu":
