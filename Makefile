@@ -21,10 +21,10 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 gpu-check: $(STAMP)
-	$(PY) -m redfuser.gpucheck
+	$(PY) -m redfuser.tools.gpucheck
 
 bench: $(STAMP)
-	$(PY) -m redfuser.bench
+	$(PY) -m redfuser.tools.bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

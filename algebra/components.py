@@ -25,6 +25,7 @@ annihilates while the empty state 0 stays 0 under any factor (``mul0``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 import sympy as sp
@@ -40,6 +41,26 @@ INDEX_SENTINEL = np.iinfo(np.int64).max  # "no index yet": loses every tie
 INDEX_KEY = "#i"  # the element's integer position in the element environment
 
 
+class StateKind(str, Enum):
+    """What a state variable holds; its storage follows (an index is an int64, a top-k
+    state holds k slots).  A ``str`` enum: the laws table spells kinds as plain strings."""
+
+    VALUE = "value"
+    INDEX = "index"
+    VALUES_K = "values_k"
+    INDICES_K = "indices_k"
+    COUNT = "count"
+
+    @property
+    def is_index(self) -> bool:
+        return self in (StateKind.INDEX, StateKind.INDICES_K)
+
+    @property
+    def per_k(self) -> bool:
+        """One slot per selected element (top-k) rather than per feature."""
+        return self in (StateKind.VALUES_K, StateKind.INDICES_K)
+
+
 @dataclass(frozen=True)
 class StateVar:
     """One state variable: its symbol, initial value (the law's identity) and meaning."""
@@ -47,7 +68,10 @@ class StateVar:
     symbol: sp.Symbol
     init: sp.Expr
     meaning: str
-    kind: str = "value"  # "value" | "index" | "values_k" | "indices_k" | "count"
+    kind: StateKind = StateKind.VALUE
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", StateKind(self.kind))  # a law's string, checked
 
 
 def primed(a: sp.Symbol, mark: str = "'") -> sp.Symbol:
@@ -224,7 +248,7 @@ class SelectComponent(Component):
         shape = (*shape[:-2], self.k, 1)
         out = {}
         for s in self.state:
-            if s.kind in ("index", "indices_k"):
+            if s.kind.is_index:
                 out[s.symbol.name] = np.full(shape, INDEX_SENTINEL, np.int64)
             else:
                 out[s.symbol.name] = np.full(shape, float(s.init), dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 _SOFTMAX = "m = max(x[i])\nd = sum(exp(x[i] - m))\n"
 
 LIBRARY: dict[str, tuple[str, str]] = {
@@ -60,8 +62,6 @@ def example_inputs(name: str, n: int = 64, rows: tuple = (4,), d: int = 16, seed
     ...  if hasattr(v, "shape")}
     {'q': (2, 3, 4), 'k': (2, 1, 8, 4), 'v': (2, 1, 8, 4)}
     """
-    import numpy as np
-
     g = np.random.default_rng(seed)
 
     def normal(*shape):

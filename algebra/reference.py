@@ -13,6 +13,7 @@ import numpy as np
 import sympy as sp
 
 from .layout import resolve, to_user
+from .library import resolve_spec
 from .numeric import compile_expr
 from .spec import INDEX, LENGTH, Cascade, parse
 
@@ -43,7 +44,6 @@ def reference(spec: str | Cascade, inputs: dict) -> dict[str, np.ndarray]:
     >>> reference("m = max(x[i]); d = sum(exp(x[i] - m))", {"x": x})["d"]
     array([1.33333333])
     """
-    from .library import resolve_spec
 
     cascade = spec if isinstance(spec, Cascade) else parse(resolve_spec(spec))
     lay = resolve(cascade, inputs, dtype=F64)

@@ -9,6 +9,7 @@ import numpy as np
 import sympy as sp
 
 from .components import COUNT, Component, LinearComponent, StateVar, primed
+from .interpret import run
 from .numeric import compile_expr
 from .prove import Obligation
 from .spec import INDEX, Cascade
@@ -200,7 +201,6 @@ class FusionRule:
         >>> np.round(out["y"], 4)
         array([[0.09  , 0.6652, 0.2447]], dtype=float32)
         """
-        from .interpret import run
         return run(self, inputs, chunks, tree)
 
 

@@ -1,7 +1,23 @@
 """redfuser: derive, prove and lower one-pass rules for cascaded reductions.
 
-``derive``/``reference`` need only sympy and numpy; ``compile`` (TVM) is imported on
-first use so that deriving rules does not pay for loading TVM.
+The stages, in the order they run:
+
+1. ``algebra``: parse the spec and lift each reduction to sympy; separate each body;
+   derive every component's state, update, merge and finalize; prove every identity
+   (``algebra.pipeline.derive`` -> a ``FusionRule``).  sympy and numpy only.
+2. ``kernel.compile`` wraps a rule in a ``Kernel``; its first call with a new shape
+   resolves the inputs (``algebra.layout``) and fixes a ``Geometry``
+   (``lowering.geometry``).
+3. The plan: the tuning database's (``tune``) or the target's hand-written policy
+   (``lowering.backends`` -> ``lowering.cpu.plan`` / ``lowering.cuda.plan``).
+4. ``lowering.build_primfunc``: the target's loop nest of the plan's variant, its
+   statements emitted by ``lowering.emitter`` -> a TIR PrimFunc.
+5. ``runtime.build``: TVM compiles it (``tvm_adapter``, the only module importing TVM);
+   the kernel runs on the caller's arrays.
+
+``tensorir`` and ``relax`` find cascades in TVM programs and fuse them through the same
+stages.  ``derive``/``reference`` need only sympy and numpy; ``compile`` (TVM) is imported
+on first use so that deriving rules does not pay for loading TVM.
 
 >>> import redfuser
 >>> rule = redfuser.derive("attention")
@@ -16,14 +32,10 @@ __all__ = ["LIBRARY", "FuseReport", "FusionRule", "Kernel", "NotFusable", "SpecE
 
 
 def __getattr__(name: str):
-    if name == "compile":
-        from .compiler import compile
+    if name in ("compile", "Kernel"):
+        from . import kernel  # lazily: loading TVM costs 0.6 s, which derive never needs
 
-        return compile
-    if name == "Kernel":
-        from .kernel import Kernel
-
-        return Kernel
+        return getattr(kernel, name)
     if name in ("lift", "fuse", "FuseReport"):  # TensorIR: find and fuse cascades
         from . import tensorir
 

@@ -5,7 +5,10 @@
 against the float64 oracle and time both (what ``make demo`` runs after ``derive --all``).
 ``redfuser tune "<spec>" | NAME --shape x=4096x4096``: search the schedule for those shapes,
 print predicted vs measured time per candidate, store the best in the tuning database.
-``redfuser bench [--tuned] ...``: the benchmark (``python -m redfuser.bench``).
+``redfuser bench [--tuned] ...``: the benchmark (``python -m redfuser.tools.bench``).
+
+The commands that compile import their modules when they run (TVM takes about 0.6 s to
+load), so ``redfuser derive`` stays a sympy-only command.
 """
 
 from __future__ import annotations
@@ -60,9 +63,9 @@ def _derive_all(args: argparse.Namespace) -> int:
 
 
 def _kernels_cmd(args: argparse.Namespace) -> int:
-    import numpy as np
+    import numpy as np  # noqa: I001 - lazily, like every compiling command (module doc)
 
-    import redfuser
+    import redfuser  # lazily (module doc)
     from algebra.library import example_inputs
 
     names = args.names or list(LIBRARY)
@@ -119,7 +122,7 @@ def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
 
 
 def _tune_cmd(args: argparse.Namespace) -> int:
-    from .tune import TuningDB, describe, machine, shape_geometry, space, tune
+    from .tune import TuningDB, describe, machine, shape_geometry, space, tune  # lazily
 
     try:
         rule = derive(args.spec)
@@ -160,11 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--n", type=int, default=2048, help="stream length N (default 2048)")
     k.add_argument("--d", type=int, default=64, help="feature length D (default 64)")
     _tune_parser(sub)
-    sub.add_parser("bench", help="the benchmark (python -m redfuser.bench: its options "
+    sub.add_parser("bench", help="the benchmark (python -m redfuser.tools.bench: its options "
                                  "follow, e.g. --tuned)")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # everything after it belongs to the benchmark's own parser
-        from .bench import main as bench_main
+        from .tools.bench import main as bench_main  # lazily, see the module doc
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)

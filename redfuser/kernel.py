@@ -1,4 +1,4 @@
-"""Stage 8, build: ``Kernel``, the callable compiled form of a rule.
+"""``compile`` and ``Kernel``: a proven rule as a callable, specialised per shape.
 
 Calling convention (the algebra engine's): any number of row axes broadcasting like
 numpy (attention's K and V of shape (H, 1, N, D) are read once per head, never
@@ -10,7 +10,7 @@ call with a new geometry compiles (tens of milliseconds), later calls hit a cach
 The plan of a new geometry comes from the tuning database when it has one (``tune``:
 None reads it, True also searches a missing shape, "model" takes the cost model's first
 choice for a missing shape without measuring, False ignores the database;
-``redfuser.tune``), else from ``plan.choose``.
+``redfuser.tune``), else from the target's hand-written policy (``lowering.choose``).
 """
 
 from __future__ import annotations
@@ -20,25 +20,62 @@ from numbers import Number
 
 import numpy as np
 
+from algebra import FusionRule, derive
 from algebra.layout import resolve, to_user
-from algebra.rule import FusionRule
 
-from .analysis import Geometry, geometry
-from .plan import Plan, choose
-from .tvm_adapter import (
-    build,
-    cpu_target,
-    cuda_source,
-    cuda_target,
-    device,
-    empty_aligned,
-    from_numpy,
-    time_ms,
-)
-from .variants import build_primfunc, result_dtype
+from .lowering import FUNC_NAME, Geometry, Plan, backend, choose, geometry
+from .lowering.plan import check_variant
+from .runtime import Built, allocate_outputs, build, input_tensors, random_inputs, time_built
+from .tune.search import model_plan, tuned_plan
+from .tvm_adapter import cuda_source, from_numpy
 
-TARGETS = {"cpu": cpu_target, "cuda": cuda_target}
-FUNC_NAME = "redfuser_kernel"
+TUNE_MODES = (None, True, False, "model")
+
+
+def compile(rule_or_spec: FusionRule | str, target: str = "cpu", **options) -> Kernel:  # noqa: A001
+    """Compile a fusion rule (or a spec / library name) into a TVM kernel.
+
+    Options: ``variant`` ("rolling", "split", "unfused"; default: chosen per shape by
+    the target's policy), ``splits``, ``fast_math`` (polynomial exp; default True),
+    ``threads``; ``plan`` (a ``lowering.Plan``) fixes every parameter for every shape.
+    Only proven rules reach this point: ``derive`` refuses the rest.
+
+    Schedules (``tune``): each new shape first looks in the tuning database (written by
+    ``redfuser tune`` or an earlier ``tune=True``; see ``redfuser.tune``) and uses the
+    measured best plan stored there for this spec, shape, target and machine; without an
+    entry, the hand-written policy decides.  ``tune=True`` searches a shape that has no
+    entry (the cost model ranks the schedule space, the best few candidates are
+    measured, the fastest is stored): seconds per new shape, once per machine.
+    ``tune="model"`` takes the cost model's first choice (variant included) without
+    measuring anything.  ``tune=False`` never reads the database; pinning ``variant``,
+    ``splits`` or ``threads`` also bypasses it.  A corrupt database is ignored with a
+    warning.
+
+    Examples
+    --------
+    >>> import numpy as np, redfuser
+    >>> k = redfuser.compile("softmax")
+    >>> out = k(x=np.array([[0.0, 1.0, 2.0]], np.float32))
+    >>> np.round(out["y"], 4)
+    array([[0.09  , 0.2447, 0.6652]], dtype=float32)
+    """
+    rule = rule_or_spec if isinstance(rule_or_spec, FusionRule) else derive(rule_or_spec)
+    return Kernel(rule, target, **options)
+
+
+def _check_options(variant, splits, fast_math, threads, tune, plan) -> None:
+    """Refuse option values that no plan can honour, naming the option."""
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a redfuser.lowering.Plan, not {type(plan).__name__}")
+    check_variant(variant)
+    for name, value in (("splits", splits), ("threads", threads)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, not {value!r}")
+    if not isinstance(fast_math, bool):
+        raise TypeError(f"fast_math must be True or False, not {fast_math!r}")
+    if tune not in TUNE_MODES:
+        raise ValueError(f"tune must be None, True, False or 'model', not {tune!r}")
 
 
 class Kernel:
@@ -46,16 +83,14 @@ class Kernel:
 
     def __init__(self, rule: FusionRule, target: str = "cpu", variant: str | None = None,
                  splits: int | None = None, fast_math: bool = True, threads: int | None = None,
-                 tune: bool | str | None = None):
-        if target not in TARGETS:
-            raise ValueError(f"target must be one of {sorted(TARGETS)}, not {target!r}")
-        if tune not in (None, True, False, "model"):
-            raise ValueError(f"tune must be None, True, False or 'model', not {tune!r}")
-        self.rule, self.target, self.tune = rule, target, tune
+                 tune: bool | str | None = None, plan: Plan | None = None):
+        self.backend = backend(target)
+        _check_options(variant, splits, fast_math, threads, tune, plan)
+        self.rule, self.target, self.tune, self.fixed_plan = rule, target, tune, plan
         self.options = {"variant": variant, "splits": splits, "fast_math": fast_math,
                         "threads": threads}
-        self._cache: dict[tuple, tuple] = {}
-        self._last: tuple | None = None
+        self._cache: dict[tuple, Built] = {}
+        self._last: Built | None = None
 
     # Step 1. Check the inputs ---------------------------------------------------------
     def _layout(self, inputs: dict):
@@ -68,8 +103,13 @@ class Kernel:
                                 "float32: pass float32 arrays")
         return resolve(self.rule.cascade, inputs, dtype=np.float32)
 
+    def geometry(self, **inputs) -> Geometry:
+        """The shapes of a call on ``inputs`` (checked as a call checks them)."""
+        return geometry(self.rule, self._layout(inputs))
+
     # Step 2. Compile for this geometry (cached) ---------------------------------------
-    def _compiled(self, geo: Geometry, plan: Plan | None = None):
+    def _compiled(self, geo: Geometry, plan: Plan | None = None) -> Built:
+        plan = plan or self.fixed_plan
         if plan is not None:
             return self._build(geo, plan)
         plan, tuned = self._plan(geo)
@@ -81,46 +121,48 @@ class Kernel:
             warnings.warn(f"redfuser: the tuned plan ({plan}) does not build here "
                           f"({type(e).__name__}); using the hand-written plan",
                           RuntimeWarning, stacklevel=2)
-            return self._build(geo, choose(self.rule, geo, target=self.target, **self.options))
+            return self._build(geo, self._hand_written(geo))
 
-    def _build(self, geo: Geometry, plan: Plan):
+    def _build(self, geo: Geometry, plan: Plan) -> Built:
         key = (geo.key(), plan)
         if key not in self._cache:
-            func = build_primfunc(self.rule, geo, plan, FUNC_NAME, self.target)
-            self._cache[key] = (func, build(func, TARGETS[self.target]()), plan)
+            self._cache[key] = build(self.rule, geo, plan, self.target)
         self._last = self._cache[key]
-        return self._cache[key]
+        return self._last
+
+    def _hand_written(self, geo: Geometry) -> Plan:
+        return choose(self.rule, geo, target=self.target, **self.options)
 
     def _plan(self, geo: Geometry) -> tuple[Plan, bool]:
         """(plan, from tuning) for this geometry: the tuning database's plan (searched
         first when ``tune=True``; the cost model's pick when ``tune="model"``) unless the
-        caller pinned variant/splits/threads or said ``tune=False``; else
-        ``plan.choose``'s rules."""
+        caller pinned variant/splits/threads or said ``tune=False``; else the
+        hand-written policy's."""
         pinned = any(self.options[k] is not None for k in ("variant", "splits", "threads"))
         if self.tune is not False and not pinned:
-            from .tune.search import model_plan, tuned_plan
-
-            plan = tuned_plan(self, geo, search=self.tune is True)
+            fast_math = self.options["fast_math"]
+            plan = tuned_plan(self.rule, geo, self.target, fast_math, search=self.tune is True,
+                              measure=self.time_plan)
             if plan is None and self.tune == "model":
-                plan = model_plan(self, geo)
+                plan = model_plan(self.rule, geo, self.target, fast_math)
             if plan is not None:
                 return plan, True
-        return choose(self.rule, geo, target=self.target, **self.options), False
+        return self._hand_written(geo), False
 
     # Step 3. Run ----------------------------------------------------------------------
     def __call__(self, **inputs) -> dict[str, np.ndarray]:
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
-        _, executable, _ = self._compiled(geo)
-        dev = device(TARGETS[self.target]())
-        if self.target == "cuda" and not dev.exist:
-            raise RuntimeError("no CUDA device here: use kernel.prepare(...) and "
-                               "kernel.cuda_source() to inspect the generated code")
-        args = _input_tensors(layout, geo, dev)
-        outs = self._outputs(geo)
+        built = self._compiled(geo)
+        dev = built.device()
+        if not self.backend.host_memory and not dev.exist:
+            raise RuntimeError(f"no {self.target} device here: use kernel.prepare(...) and "
+                               "kernel.primfunc / kernel.cuda_source() to inspect the code")
+        args = input_tensors(layout, geo, dev)
+        outs = allocate_outputs(self.rule, geo)
         tensors = [from_numpy(o, dev) for o in outs.values()]
-        executable[FUNC_NAME](*args, *tensors)
-        if self.target == "cuda":  # device results come back by copy
+        built.executable[FUNC_NAME](*args, *tensors)
+        if not self.backend.host_memory:  # device results come back by copy
             outs = {k: t.numpy() for k, t in zip(outs, tensors, strict=True)}
         values = {k: _canonical(self.rule, geo, k, v) for k, v in outs.items()}
         return to_user(self.rule.cascade, layout, values)
@@ -130,70 +172,44 @@ class Kernel:
         the device; TVM's time evaluator synchronises)."""
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
-        _, executable, _ = self._compiled(geo)
-        dev = device(TARGETS[self.target]())
-        args = _input_tensors(layout, geo, dev)
-        args += [from_numpy(o, dev) for o in self._outputs(geo).values()]
-        return time_ms(executable, FUNC_NAME, dev, args, repeat)
+        built = self._compiled(geo)
+        args = input_tensors(layout, geo, built.device())
+        return time_built(built, args + list(allocate_outputs(self.rule, geo).values()), repeat)
 
     def time_plan(self, geo: Geometry, plan: Plan, repeat: int = 5, seed: int = 0) -> float:
         """Median milliseconds of ``plan`` built for ``geo`` on random inputs of that
         geometry (what the schedule search measures; the build is cached like a call's)."""
-        _, executable, _ = self._compiled(geo, plan)
-        dev = device(TARGETS[self.target]())
-        g = np.random.default_rng(seed)
-        args = [from_numpy(_random_input(g, inp), dev) for _, inp in sorted(geo.inputs.items())]
-        args += [from_numpy(o, dev) for o in self._outputs(geo).values()]
-        return time_ms(executable, FUNC_NAME, dev, args, repeat)
-
-    def _outputs(self, geo: Geometry) -> dict[str, np.ndarray]:
-        from .variants import elementwise_width, result_width
-
-        out = {}
-        for name in self.rule.outputs:
-            if name in self.rule.cascade.elementwise:
-                width = elementwise_width(self.rule, geo, name)
-                out[name] = empty_aligned((geo.r, geo.n, width), np.float32)
-            else:
-                out[name] = empty_aligned((geo.r, result_width(self.rule, geo, name)),
-                                          result_dtype(self.rule, name))
-        return out
+        built = self._compiled(geo, plan)
+        args = random_inputs(geo, seed) + list(allocate_outputs(self.rule, geo).values())
+        return time_built(built, args, repeat)
 
     # Step 4. Show ---------------------------------------------------------------------
     @property
     def plan(self) -> Plan | None:
         """The plan of the most recent call (variant, lanes, splits and why)."""
-        return self._last[2] if self._last else None
+        return self._last.plan if self._last else None
+
+    @property
+    def primfunc(self):
+        """The TIR PrimFunc of the most recent call (None before the first)."""
+        return self._last.primfunc if self._last else None
 
     def source(self) -> str:
         """TVMScript of the most recently compiled PrimFunc."""
         if self._last is None:
-            raise RuntimeError("call the kernel once (or use compile(..., example=...)) first")
-        return self._last[0].script()
+            raise RuntimeError("call the kernel once (or kernel.prepare(**inputs)) first")
+        return self._last.primfunc.script()
 
     def cuda_source(self) -> str:
-        if self.target != "cuda" or self._last is None:
-            raise RuntimeError("cuda_source() needs a kernel compiled with target='cuda'")
-        return cuda_source(self._last[1])
+        if self.backend.host_memory or self._last is None:
+            raise RuntimeError("cuda_source() needs a kernel compiled with target='cuda' "
+                               "(call it or kernel.prepare(**inputs) first)")
+        return cuda_source(self._last.executable)
 
     def prepare(self, **inputs) -> Kernel:
         """Compile for the geometry of ``inputs`` without running (arrays may be dummies)."""
-        self._compiled(geometry(self.rule, self._layout(inputs)))
+        self._compiled(self.geometry(**inputs))
         return self
-
-
-def _random_input(g: np.random.Generator, inp) -> np.ndarray:
-    """Streams ~ N(0, 1); per-row parameters in [0.5, 1) (an eps or a scale stays positive)."""
-    shape = (inp.count, inp.length, inp.width)
-    if inp.length > 1:
-        return g.standard_normal(shape, np.float32)
-    return g.uniform(0.5, 1.0, shape).astype(np.float32)
-
-
-def _input_tensors(layout, geo: Geometry, dev) -> list:
-    """Inputs as (R_in, L, F) tensors in the kernel's argument order (sorted names)."""
-    return [from_numpy(layout.arrays[k].reshape(g.count, g.length, g.width), dev)
-            for k, g in sorted(geo.inputs.items())]
 
 
 def _canonical(rule, geo: Geometry, name: str, v: np.ndarray) -> np.ndarray:
@@ -204,4 +220,3 @@ def _canonical(rule, geo: Geometry, name: str, v: np.ndarray) -> np.ndarray:
     if shape is not None and shape.k:
         return v.reshape(rows + (v.shape[1], 1))
     return v.reshape(rows + (1, v.shape[1]))
-

@@ -1,4 +1,5 @@
-"""Accuracy, special values and vectorization of redfuser.fastmath's polynomial builders.
+"""Accuracy, special values and vectorization of redfuser.lowering.fastmath's polynomial
+builders.
 
 Errors are measured against float64 numpy on dense grids.  Measured maxima on the project's
 AVX-512 machine (with FMA): exp 8.5e-8 relative on [-87, 88]; log 8.0e-8 relative on
@@ -14,8 +15,9 @@ import re
 import numpy as np
 import pytest
 
-from redfuser import fastmath
-from redfuser.fastmath import elementwise_kernel, evaluate, fast_exp, fast_log, fast_tanh
+from redfuser.lowering import fastmath
+from redfuser.lowering.fastmath import elementwise_kernel, fast_exp, fast_log, fast_tanh
+from redfuser.runtime import evaluate_elementwise as evaluate
 from redfuser.tvm_adapter import build, cpu_target, from_numpy, tirx
 
 CHUNK = 1 << 20

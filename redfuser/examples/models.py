@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..relax import build, run
+from ..tvm_adapter import cpu_target, device, from_numpy, import_torch, relax_vm
+
 
 class GPT2Block(nn.Module):
     """A GPT-2 decoder block: LayerNorm, causal multi-head attention written out as
@@ -160,9 +163,6 @@ class Result:
 
 def evaluate(example: Example, timing: bool = True, repeat: int = 20) -> Result:
     """Export, import, build with and without the pass, compare with PyTorch, time both."""
-    from ..relax import build, run
-    from ..tvm_adapter import import_torch
-
     mod = import_torch(example.model, example.inputs)
     fused, report = build(mod, fuse=True)
     arrays = [x.numpy() for x in example.inputs]
@@ -180,8 +180,6 @@ def evaluate(example: Example, timing: bool = True, repeat: int = 20) -> Result:
 
 
 def _median_ms(executable, arrays, repeat: int) -> float:
-    from ..tvm_adapter import cpu_target, device, from_numpy, relax_vm
-
     vm = relax_vm(executable)
     timer = vm.time_evaluator("main", device(cpu_target()), number=5, repeat=repeat)
     return float(timer(*[from_numpy(np.ascontiguousarray(a)) for a in arrays]).median) * 1e3

@@ -8,77 +8,12 @@ Nothing here changes the module; ``group.py`` decides what is worth fusing.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ..tvm_adapter import GenericConst, relax
 from .frag import Frag, Input, Stmt, Unliftable, merge, reframe
-
-MAX_TERMS = 4  # additive terms kept apart for distributing a matmul's sum over them
-
-
-@dataclass(frozen=True, eq=False)
-class Node:
-    """A lifted Relax value.
-
-    ``kind``: elem (per element of the stream), row (one value per row), vec (a per-row
-    feature vector, a matmul result), topk / index (k values or indices per row), tuple
-    (topk's pair, in ``fields``).  ``terms`` split an elem into additive parts; ``dots``
-    are the inlined matmuls (Relax vars) it reads through lets.
-    """
-
-    kind: str
-    frag: Frag
-    text: str
-    deps: frozenset[str]
-    shape: tuple[int, ...]
-    terms: tuple = ()
-    dots: frozenset = frozenset()
-    fields: tuple = ()
-
-
-@dataclass(frozen=True)
-class Operand:
-    """An operand as the spec reads it: text, statements read, fragment (None: literal)."""
-
-    text: str
-    deps: frozenset[str] = frozenset()
-    frag: Frag | None = None
-    terms: tuple = ()
-    dots: frozenset = frozenset()
-
-    def term_list(self) -> tuple:
-        return self.terms or ((self.text, self.deps),)
-
-
-@dataclass(frozen=True, eq=False)
-class Ext:
-    """A value computed outside the kernel: a Relax expression, maybe with a prep op."""
-
-    source: object
-    shape: tuple[int, ...]
-    dtype: str
-    prep: tuple = ()
-
-
-def static_shape(ty) -> tuple[int, ...]:
-    """The integer shape of a tensor type; symbolic dimensions raise Unliftable."""
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        raise Unliftable(f"not a tensor of known rank ({ty})")
-    dims = []
-    for v in ty.shape.values:
-        if not hasattr(v, "value"):
-            raise Unliftable(f"symbolic dimension {v} in {ty}: only static shapes are fused")
-        dims.append(int(v.value))
-    return tuple(dims)
-
-
-def literal(value: float) -> str:
-    if math.isnan(value):
-        raise Unliftable("a NaN constant")
-    if math.isinf(value):
-        return "inf" if value > 0 else "(-inf)"
-    return repr(value) if value >= 0 else f"({value!r})"
+from .ops import OPS, SEEDS
+from .values import Ext, Node, Operand, literal, pad_shape, static_shape
 
 
 @dataclass
@@ -98,8 +33,6 @@ class Lifter:
     current: object = None
 
     def run(self) -> Lifter:
-        from .ops import OPS, SEEDS
-
         for blk in self.func.body.blocks:
             for b in blk.bindings:
                 self.values[b.var] = b.value
@@ -212,19 +145,19 @@ class Lifter:
         node = self.node(expr)
         if node is None:
             ext = self.ext(expr)
-            rows = _pad(ext.shape, len(out), out)
+            rows = pad_shape(ext.shape, len(out), out)
             if keep and rows[-1] != 1:
                 raise Unliftable(f"{ext.shape} is not one value per row")
             ref, frag = self.input(ext, "param", False, rows[:-1] if keep else rows, frame, 0)
             return Operand(ref, frozenset(), frag)
-        if node.kind != "row" or _pad(node.shape, len(out), out) != tuple(out):
+        if node.kind != "row" or pad_shape(node.shape, len(out), out) != tuple(out):
             raise Unliftable(f"{node.kind} value {node.shape} read as a row value {out}")
         return Operand(node.text, node.deps, reframe(node.frag, frame))
 
     def _external(self, ext: Ext, out: tuple) -> Operand:
         if ext.dtype != "float32":
             raise Unliftable(f"input of dtype {ext.dtype} (the kernels compute in float32)")
-        shape = _pad(ext.shape, len(out), out)
+        shape = pad_shape(ext.shape, len(out), out)
         if shape[-1] == out[-1] and out[-1] > 1:
             ref, frag = self.input(ext, "stream", False, shape[:-1], out[:-1], out[-1])
         elif shape[-1] == 1:
@@ -242,15 +175,6 @@ class Lifter:
         if len(lengths) > 1:
             raise Unliftable(f"stream lengths {sorted(lengths)} differ")
         return merge(frags, tuple(frame), lengths.pop() if lengths else 0)
-
-
-def _pad(shape: tuple, rank: int, out: tuple) -> tuple:
-    if len(shape) > rank:
-        raise Unliftable(f"{shape} has more axes than {out}")
-    shape = (1,) * (rank - len(shape)) + tuple(shape)
-    if any(s not in (1, o) for s, o in zip(shape, out, strict=True)):
-        raise Unliftable(f"{shape} does not broadcast to {out}")
-    return shape
 
 
 def _same_shape(a, b) -> bool:

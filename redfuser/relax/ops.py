@@ -13,7 +13,7 @@ from string import Formatter
 
 from ..tvm_adapter import relax
 from .frag import Unliftable, merge, reframe
-from .lift import MAX_TERMS, Ext, Lifter, Node, Operand, _pad, literal, static_shape
+from .values import MAX_TERMS, Ext, Lifting, Node, Operand, literal, pad_shape, static_shape
 
 UNARY = {  # Relax op -> spec template of its operand {0}
     "relax.exp": "exp({0})",
@@ -81,7 +81,7 @@ def _fields(template: str) -> set[str]:
     return {f for _, f, _, _ in Formatter().parse(template) if f is not None}
 
 
-def _new(lf: Lifter, template: str, ops: list[Operand], kind: str, op: str, frag):
+def _new(lf: Lifting, template: str, ops: list[Operand], kind: str, op: str, frag):
     """A statement from a template over operands; returns (statement, fragment)."""
     stmt = lf.stmt(template.format(*[o.text for o in ops]), kind,
                    frozenset().union(*(o.deps for o in ops)), op)
@@ -96,7 +96,7 @@ def _terms(op: str, ops: list[Operand]) -> tuple:
     return terms if len(terms) <= MAX_TERMS else ()
 
 
-def _context(lf: Lifter, args, out: tuple) -> str:
+def _context(lf: Lifting, args, out: tuple) -> str:
     """Row arithmetic when every lifted operand is a per-row value of the output's shape;
     per-element otherwise (row values then broadcast along the stream)."""
     nodes = [lf.nodes[a] for a in args if a in lf.nodes]
@@ -109,7 +109,7 @@ def _context(lf: Lifter, args, out: tuple) -> str:
     raise Unliftable(f"elementwise op of shape {out} on values that are not lifted")
 
 
-def elementwise(lf: Lifter, call, ty) -> Node:
+def elementwise(lf: Lifting, call, ty) -> Node:
     op, out = call.op.name, static_shape(ty)
     if str(ty.dtype) != "float32":
         raise Unliftable(f"dtype {ty.dtype}")
@@ -132,7 +132,7 @@ def _last_axis(axis, rank: int):
         raise Unliftable(f"reduces over axes {axes} of a rank-{rank} tensor, not the last one")
 
 
-def statistics(lf: Lifter, call, ty) -> Node:
+def statistics(lf: Lifting, call, ty) -> Node:
     op, data = call.op.name, call.args[0]
     shape = static_shape(data.ty)
     attrs = call.attrs
@@ -157,7 +157,7 @@ def statistics(lf: Lifter, call, ty) -> Node:
         else value
 
 
-def _affine(lf: Lifter, call, value: Node) -> Node:
+def _affine(lf: Lifting, call, value: Node) -> Node:
     """LayerNorm's gamma and beta, RMSNorm's weight: a multiply, then an add."""
     attrs, out = call.attrs, value.shape
     steps = [("relax.multiply", call.args[1])] if getattr(attrs, "scale", True) else []
@@ -173,7 +173,7 @@ def _affine(lf: Lifter, call, value: Node) -> Node:
     return value
 
 
-def matmul(lf: Lifter, call, ty) -> Node:
+def matmul(lf: Lifting, call, ty) -> Node:
     a, b = call.args
     out, sa, sb = static_shape(ty), static_shape(a.ty), static_shape(b.ty)
     if len(sa) < 2 or len(sb) < 2 or str(ty.dtype) != "float32":
@@ -188,14 +188,14 @@ def matmul(lf: Lifter, call, ty) -> Node:
     return _dot(lf, a, b, sa, sb, out)
 
 
-def _contract(lf: Lifter, a, b, sb: tuple, out: tuple) -> Node:
+def _contract(lf: Lifting, a, b, sb: tuple, out: tuple) -> Node:
     """A streamed left side times a weight: sum over the stream of a[i] * w[i, :]."""
     k, p = sb[-2], sb[-1]
     if p < 2:
         raise Unliftable("a product with a single column")
     e = lf.elem(a, out[:-1] + (k,))
     frame = out[:-1]
-    rows = _pad(sb[:-2], len(frame) - 1, out[:-2]) + (1,)
+    rows = pad_shape(sb[:-2], len(frame) - 1, out[:-2]) + (1,)
     ref, wfrag = lf.input(lf.ext(b), "stream", True, rows, frame, k, p)
     frag = merge([e.frag, wfrag], frame, k)
     if frag.d != p:
@@ -206,14 +206,14 @@ def _contract(lf: Lifter, a, b, sb: tuple, out: tuple) -> Node:
     return Node("vec", frag.with_stmt(stmt), stmt.name, frozenset({stmt.name}), out)
 
 
-def _dot(lf: Lifter, a, b, sa: tuple, sb: tuple, out: tuple) -> Node:
+def _dot(lf: Lifting, a, b, sa: tuple, sb: tuple, out: tuple) -> Node:
     """Scores q @ k^T: one element of the stream per column, dot(q[:], k[i, :])."""
     m, k, p = sa[-2], sa[-1], sb[-1]
     if p < 2 or k < 2:
         raise Unliftable("a product with a single row or column")
     frame = out[:-1]
-    arows = _pad(sa[:-2], len(out) - 2, out[:-2]) + (m,)
-    brows = _pad(sb[:-2], len(out) - 2, out[:-2]) + (1,)
+    arows = pad_shape(sa[:-2], len(out) - 2, out[:-2]) + (m,)
+    brows = pad_shape(sb[:-2], len(out) - 2, out[:-2]) + (1,)
     aref, afrag = lf.input(lf.ext(a), "param", True, arows, frame, p, k)
     bref, bfrag = lf.input(_transposed(lf, b), "stream", True, brows, frame, p, k)
     frag = merge([afrag, bfrag], frame, p)
@@ -223,7 +223,7 @@ def _dot(lf: Lifter, a, b, sa: tuple, sb: tuple, out: tuple) -> Node:
                 dots=frozenset({lf.current}))
 
 
-def _transposed(lf: Lifter, b) -> Ext:
+def _transposed(lf: Lifting, b) -> Ext:
     """b with its last two axes swapped: the producer's input when b is a transpose (seen
     through reshapes of the leading axes and same-shape broadcasts), else a permute_dims."""
     expr, shape = b, static_shape(b.ty)
@@ -243,7 +243,7 @@ def _transposed(lf: Lifter, b) -> Ext:
     return Ext(b, sb[:-2] + (sb[-1], sb[-2]), str(b.ty.dtype), ("T",))
 
 
-def topk(lf: Lifter, call, ty) -> Node:
+def topk(lf: Lifting, call, ty) -> Node:
     data, attrs = call.args[0], call.attrs
     shape = static_shape(data.ty)
     _last_axis(attrs.axis, len(shape))
@@ -265,7 +265,7 @@ def topk(lf: Lifter, call, ty) -> Node:
         pair[0 if ret == "values" else 1]
 
 
-def make_tuple(lf: Lifter, value, ty) -> Node:
+def make_tuple(lf: Lifting, value, ty) -> Node:
     """topk's pair packed again (torch's max(dim) does): a tuple of one topk's fields."""
     fields = tuple(lf.nodes.get(f) for f in value.fields)
     if len(fields) != 2 or any(f is None or f.frag is not fields[0].frag for f in fields) \
@@ -275,14 +275,14 @@ def make_tuple(lf: Lifter, value, ty) -> Node:
     return Node("tuple", fields[0].frag, "", frozenset(), fields[0].shape, fields=fields)
 
 
-def tuple_item(lf: Lifter, item, ty) -> Node:
+def tuple_item(lf: Lifting, item, ty) -> Node:
     node = lf.node(item.tuple_value)
     if node is None or node.kind != "tuple":
         raise Unliftable("not a lifted tuple")
     return node.fields[int(item.index)]
 
 
-def where(lf: Lifter, call, ty) -> Node:
+def where(lf: Lifting, call, ty) -> Node:
     """where(c, K, e) with K = -inf (or |K| >= 1e30) is e + where(c, K, 0): a mask input."""
     cond, a, b = call.args
     ka, kb = lf.scalar(a), lf.scalar(b)
@@ -303,7 +303,7 @@ def where(lf: Lifter, call, ty) -> Node:
                 _terms("relax.add", ops), ops[0].dots)
 
 
-def gather(lf: Lifter, call, ty) -> Node:
+def gather(lf: Lifting, call, ty) -> Node:
     """gather_elements(y, t) along the stream (cross-entropy's pick of the target's
     log-probability): sum(y[i] * (1 - sign(abs(i - t)))), an exact indicator for integer i, t."""
     data, index = call.args
@@ -323,7 +323,7 @@ def gather(lf: Lifter, call, ty) -> Node:
     return Node("row", frag.with_stmt(stmt), stmt.name, frozenset({stmt.name}), out)
 
 
-def reshape(lf: Lifter, call, ty) -> Node:
+def reshape(lf: Lifting, call, ty) -> Node:
     """Shape ops on a lifted value: the stream axis stays, the rows move (frag.reframe)."""
     node = lf.node(call.args[0])
     if node is None or node.kind == "tuple":

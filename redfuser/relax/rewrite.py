@@ -17,13 +17,11 @@ import numpy as np
 from algebra import NotFusable, SpecError, derive
 from algebra.layout import Layout
 
-from ..analysis import geometry
-from ..plan import choose
+from ..lowering import build_primfunc, choose, geometry, signature
 from ..tvm_adapter import build, cpu_target, relax, with_root_block
-from ..variants import build_primfunc, elementwise_width, result_dtype, result_width
 from .frag import Unliftable
 from .group import Group
-from .lift import static_shape
+from .values import static_shape
 
 
 @lru_cache(maxsize=512)
@@ -65,13 +63,8 @@ def kernel_for(group: Group, rule, name: str) -> Kernel:
     func = _relax_callee(build_primfunc(rule, geo, plan, name, "cpu"))
     inputs = tuple((nm, frag.inputs[nm], (g.count, g.length, g.width))
                    for nm, g in sorted(geo.inputs.items()))
-    outputs = []
-    for out in rule.outputs:
-        if out in rule.cascade.elementwise:
-            outputs.append((out, (geo.r, geo.n, elementwise_width(rule, geo, out)), "float32"))
-        else:
-            outputs.append((out, (geo.r, result_width(rule, geo, out)), result_dtype(rule, out)))
-    return Kernel(name, func, inputs, tuple(outputs), plan)
+    outputs = tuple((a.name, a.shape, a.dtype) for a in signature(rule, geo).outputs)
+    return Kernel(name, func, inputs, outputs, plan)
 
 
 def _relax_callee(func):

@@ -1,6 +1,6 @@
 """Rewriting one lifted group: the fused kernel as a statement, spliced into the PrimFunc.
 
-The kernel is emitted by the variants' own emitters (``VARIANTS``/``CUDA_VARIANTS``)
+The kernel is emitted by the target's own loop nests (``lowering.backend(target).variants``)
 into placeholder buffers of the kernel's shapes ((R_in, L, F) inputs, (R, width)
 results, (R, N, width) per-element outputs); every load and store of a placeholder
 is then rewritten into an access of the original buffer through the group's axis
@@ -17,8 +17,7 @@ import numpy as np
 
 from algebra.layout import Layout
 
-from ..analysis import geometry, is_vec
-from ..plan import choose
+from ..lowering import backend, choose, geometry, signature
 from ..tvm_adapter import (
     IRBuilder,
     Range,
@@ -31,7 +30,6 @@ from ..tvm_adapter import (
     structural_walk,
     tirx,
 )
-from ..variants import CUDA_VARIANTS, VARIANTS, result_dtype, result_width
 from .groups import Group
 
 F32 = "float32"
@@ -74,31 +72,23 @@ def fused_stmt(group: Group, target: str, fast_math: bool = True):
             bufs = {k: view(k, (g.count, g.length, g.width), g.rows) for k, g in
                     sorted(geo.inputs.items())}
             results, elementwise = {}, {}
-            for name in rule.outputs:
-                width = _width(rule, geo, name, by_name[name], frame)
-                if name in rule.cascade.elementwise:
-                    elementwise[name] = view(name, (geo.r, geo.n, width), frame.rows)
-                elif by_name[name].needed:
-                    results[name] = (view(name, (geo.r, width), frame.rows,
-                                          result_dtype(rule, name)), width)
+            for a in signature(rule, geo).outputs:
+                _check_width(a, by_name[a.name], frame)
+                if a.elementwise:
+                    elementwise[a.name] = view(a.name, a.shape, frame.rows)
+                elif by_name[a.name].needed:
+                    results[a.name] = (view(a.name, a.shape, frame.rows, a.dtype), a.width)
                 else:
-                    results[name] = (T.alloc_buffer((geo.r, width), result_dtype(rule, name)),
-                                     width)
-            emit = (VARIANTS if target == "cpu" else CUDA_VARIANTS)[plan.variant]
-            emit(rule, geo, plan, bufs, results, elementwise)
+                    results[a.name] = (T.alloc_buffer(a.shape, a.dtype), a.width)
+            backend(target).variants[plan.variant](rule, geo, plan, bufs, results, elementwise)
     return _remap(ib.get().body, views), plan
 
 
-def _width(rule, geo, name, access, frame) -> int:
-    """The kernel's width of an output, checked against the buffer's axes."""
-    if name in rule.cascade.elementwise:
-        width = geo.d if is_vec(rule.cascade.elementwise[name], set(geo.vec)) else 1
-    else:
-        width = result_width(rule, geo, name)
-    if width != (frame.d if access.vector else 1):
-        raise ValueError(f"output '{name}' has width {width} in the kernel but its buffer "
-                         f"axes are {access.dims}")
-    return width
+def _check_width(arg, access, frame) -> None:
+    """The kernel's width of an output must match the buffer's axes."""
+    if arg.width != (frame.d if access.vector else 1):
+        raise ValueError(f"output '{arg.name}' has width {arg.width} in the kernel but its "
+                         f"buffer axes are {access.dims}")
 
 
 def _remap(body, views: dict):

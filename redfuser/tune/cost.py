@@ -27,12 +27,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..analysis import Geometry
-from ..plan import Plan
+from algebra.functions import Dot
+
+from ..lowering import Geometry, Plan, signature
+from ..lowering.cpu.plan import LANES
 from .machine import Machine
 from .work import RuleWork, Work, rule_work
 
-VECTOR = 16  # float32 lanes of one AVX-512 register
+VECTOR = LANES  # float32 lanes of one vector register (the CPU plan's fact)
 CALL_DEPTH = 12  # dependent steps of a polynomial exp/log: its latency in operations
 DOT_SUM = 8  # a dot product's 16 partial sums added by a halving tree (outside tiles)
 WRITE_FACTOR = 2.0  # a written byte costs a read for ownership and the write back
@@ -64,7 +66,7 @@ def predict(rule, geo: Geometry, plan: Plan, machine: Machine, target: str = "cp
     --------
     >>> import redfuser
     >>> from redfuser.tune.machine import nominal_cpu
-    >>> from redfuser.tune.space import shape_geometry
+    >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("softmax")
     >>> geo, m = shape_geometry(rule, {"x": (4096, 4096)}), nominal_cpu()
     >>> fused = predict(rule, geo, Plan("rolling", 16, tile=8), m)
@@ -72,9 +74,10 @@ def predict(rule, geo: Geometry, plan: Plan, machine: Machine, target: str = "cp
     >>> unfused.seconds > fused.seconds
     True
     """
-    w = rule_work(rule, geo)
-    if target == "cuda":
-        return _predict_cuda(rule, geo, plan, machine, w)
+    return PREDICTORS[target](rule, geo, plan, machine, rule_work(rule, geo))
+
+
+def _predict_cpu(rule, geo: Geometry, plan: Plan, machine: Machine, w: RuleWork) -> Estimate:
     pieces = plan.splits if plan.variant == "split" else 1
     items = geo.r * pieces
     waves, busy = math.ceil(items / machine.threads), min(items, machine.threads)
@@ -107,7 +110,7 @@ def _passes(rule, geo: Geometry, plan: Plan, w: RuleWork):
             used = {s.name for s in red.body.free_symbols} & set(streams)
             alone = replace(w, fold=w.stages[k], reanchor=Work(), merge=Work(ops=1.0),
                             chain=w.stage_chains[k], wide_states=float(red.name in geo.vec),
-                            dots=float(len(red.body.atoms(_dot()))))
+                            dots=float(len(red.body.atoms(Dot))))
             lanes = plan.lanes if w.stage_lanes[k] else 1
             out.append((alone, lanes, plan.tile, tuple(sorted(used))))
     if w.elementwise != Work():  # the per-element outputs re-read what they use
@@ -123,7 +126,7 @@ def _element_cost(w: RuleWork, plan: Plan, lanes: int, tile: int, d: int,
     work also loads its stream slots (shared by a row block) and, outside a tile, loads
     and stores its state slots and sums each dot product's partial sums."""
     over_tile = w.fold.vops > 0  # one lane, feature axis: a tile's calls run in vectors
-    block = getattr(plan, "row_block", 1)
+    block = plan.row_block
     wide = Work(vops=w.wide_loads / block + 2.0 * w.wide_states / tile)
     if tile > 1:  # re-anchoring and a merge once per tile
         per_tile = (w.reanchor + w.merge) * (1.0 / tile)
@@ -153,12 +156,6 @@ def _cost(work: Work, lanes: int, d: int, m: Machine, tiled: bool, tile: int = 1
     return work.ops * m.scalar_op + work.calls * m.scalar_exp + wide
 
 
-def _dot():
-    from algebra.functions import Dot
-
-    return Dot
-
-
 def _stream_names(rule) -> tuple[str, ...]:
     return tuple(sorted(s.name for s in rule.cascade.streams))
 
@@ -179,7 +176,7 @@ def _stream_seconds(geo: Geometry, names, plan: Plan, m: Machine, busy: int) -> 
     share = busy / m.threads
     unique = _unique_bytes(geo, names)
     seconds = unique / (m.bandwidth_at(unique) * share)
-    block = getattr(plan, "row_block", 1)
+    block = plan.row_block
     for k in names:
         g = geo.inputs.get(k)
         if g is not None and g.count < geo.r:
@@ -190,10 +187,8 @@ def _stream_seconds(geo: Geometry, names, plan: Plan, m: Machine, busy: int) -> 
 
 
 def _elementwise_bytes(rule, geo: Geometry) -> float:
-    from ..variants import elementwise_width
-
-    return float(sum(geo.r * geo.n * elementwise_width(rule, geo, k) * F32
-                     for k in rule.cascade.elementwise))
+    return float(sum(a.shape[0] * a.shape[1] * a.width * F32
+                     for a in signature(rule, geo).elementwise))
 
 
 def _overhead(geo: Geometry, plan: Plan, w: RuleWork, m: Machine) -> float:
@@ -238,3 +233,6 @@ def _predict_cuda(rule, geo: Geometry, plan: Plan, m: Machine, w: RuleWork) -> E
     tree = math.log2(plan.threads) * (2 * SYNC_S + _serial(w.merge, geo.d, m))
     overhead = m.launch * (passes + (pieces > 1)) + math.ceil(blocks / resident) * tree
     return Estimate(max(memory, compute) + overhead, memory, compute, overhead)
+
+
+PREDICTORS = {"cpu": _predict_cpu, "cuda": _predict_cuda}  # target -> its model

@@ -28,7 +28,16 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
+from algebra import derive
+
+from ..lowering import Plan, shape_geometry
+from ..lowering.cpu.plan import LANES, TILE
+from ..runtime import allocate_outputs, build, random_inputs, time_built
+from ..tvm_adapter import cpu_target, cuda_device_name, default_threads
 from .db import cache_dir, read_json_checked, write_json_atomic
+from .work import element_work
 
 FORMAT, VERSION, FILENAME = "redfuser-machine", 1, "machine.json"
 MB = 1 << 20
@@ -39,7 +48,8 @@ WIDE = "o = sum(x[i] * v[i, :])"  # a feature-axis fold: 5 slot operations (cost
 WIDE_SHAPE = (32, 256, 64)  # 2 MB of v: in the L2 caches
 # Nominal CUDA figures (bytes/s, seconds per op and per exp per element-thread, launch s):
 # H100/H200-class parts (sm_90), used until a device run measures better ones.
-CUDA_NOMINAL = {"sm_90": (3.3e12, 1.0 / 6.0e13, 4.0 / 6.0e13, 4e-6)}
+CUDA_ARCH = "sm_90"  # what redfuser compiles CUDA for (and names a GPU it cannot query)
+CUDA_NOMINAL = {CUDA_ARCH: (3.3e12, 1.0 / 6.0e13, 4.0 / 6.0e13, 4e-6)}
 
 
 @dataclass(frozen=True)
@@ -93,31 +103,34 @@ def machine_id(target: str = "cpu") -> str:
     >>> machine_id().count("/")
     2
     """
-    from ..tvm_adapter import cpu_target, default_threads
+    return MACHINE_IDS[target]()
 
-    if target == "cuda":
-        return f"cuda/{_cuda_name()}"
+
+def _cpu_id() -> str:
     return f"{cpu_target()['mcpu']}/{os.cpu_count()} cpus/{default_threads()} threads"
 
 
-def _cuda_name() -> str:
-    try:
-        import tvm
+def _cuda_id() -> str:
+    return f"cuda/{cuda_device_name() or CUDA_ARCH}"
 
-        dev = tvm.cuda(0)
-        return str(dev.device_name) if dev.exist else "sm_90"
-    except Exception:  # noqa: BLE001 - no driver: name the architecture we compile for
-        return "sm_90"
+
+MACHINE_IDS = {"cpu": _cpu_id, "cuda": _cuda_id}
 
 
 def machine(target: str = "cpu", measure: bool = True) -> Machine:
     """This machine's figures: from the cache, else measured (about 2 s) and cached.
 
     ``measure=False`` returns nominal figures instead of measuring (quick estimates)."""
-    key = machine_id(target)
-    if target == "cuda":
-        bw, op, ex, launch = CUDA_NOMINAL["sm_90"]
-        return Machine(key, 1, ((1.0, bw),), op, ex, op, ex, op * 4, op, launch)
+    return FIGURES[target](machine_id(target), measure)
+
+
+def _cuda_figures(key: str, measure: bool) -> Machine:
+    """Nominal figures: no GPU run has measured better ones yet."""
+    bw, op, ex, launch = CUDA_NOMINAL[CUDA_ARCH]
+    return Machine(key, 1, ((1.0, bw),), op, ex, op, ex, op * 4, op, launch)
+
+
+def _cpu_figures(key: str, measure: bool) -> Machine:
     path = cache_dir() / FILENAME
     entries = read_json_checked(path, FORMAT, VERSION)
     if key in entries:
@@ -133,6 +146,9 @@ def machine(target: str = "cpu", measure: bool = True) -> Machine:
     return found
 
 
+FIGURES = {"cpu": _cpu_figures, "cuda": _cuda_figures}  # target -> its figures
+
+
 def nominal_cpu(name: str = "nominal") -> Machine:
     """Round figures of a 2-core AVX-512 server (for estimates without measuring)."""
     return Machine(name, 2, ((1 * MB, 6e10), (16 * MB, 3e10), (128 * MB, 2.5e10)),
@@ -144,8 +160,6 @@ def measure_cpu(name: str) -> Machine:
     """Time the calibration kernels (a few seconds) and derive the figures.  A figure that
     noise drove below a quarter of its nominal value is floored there (a difference of two
     noisy times can even come out negative)."""
-    from ..tvm_adapter import default_threads
-
     threads = default_threads()
     launch = _time("s = sum(x[i])", {"x": (threads, 64)}, 16) / 1e3
     bandwidth = []
@@ -162,14 +176,13 @@ def measure_cpu(name: str) -> Machine:
 
 
 def _arithmetic(threads: int) -> dict[str, float]:
-    """Seconds per op, per call and per chain step, in 16 lanes and in one (data in cache)."""
-    from .work import element_work
-
+    """Seconds per op, per call and per chain step, in LANES lanes and in one (data in
+    cache)."""
     shape = {"x": (64, 4096)}  # 1 MB: in cache, so arithmetic is what is timed
     per = threads / (64 * 4096) / 1e3  # ms of the whole call -> s per element and thread
     extra_ops = element_work(POLY).ops - element_work("s = sum(x[i])").ops
     out = {}
-    for lanes, tag in ((16, "vec"), (1, "scalar")):
+    for lanes, tag in ((LANES, "vec"), (1, "scalar")):
         base = _time("s = sum(x[i])", shape, lanes)
         if lanes == 1:  # one add per element, each waiting for the previous one
             out["chain_op"] = base * per
@@ -180,17 +193,10 @@ def _arithmetic(threads: int) -> dict[str, float]:
 
 def _time(spec: str, shapes: dict, lanes: int) -> float:
     """Best of three medians (ms) of ``spec``'s rolling kernel with ``lanes`` lanes."""
-    import numpy as np
-
-    import redfuser
-
-    from ..kernel import Kernel
-    from ..plan import TILE, Plan
-    from .space import shape_geometry
-
-    rule = redfuser.derive(spec)
+    rule = derive(spec)
     geo = shape_geometry(rule, shapes)
     plan = Plan("rolling", lanes, 1, True, "calibration", tile=TILE if lanes > 1 else 1)
-    kernel = Kernel(rule, tune=False)
-    kernel.time_plan(geo, plan, repeat=1)  # warm-up: JIT and page faults
-    return float(np.min([kernel.time_plan(geo, plan, repeat=5) for _ in range(3)]))
+    built = build(rule, geo, plan)
+    args = random_inputs(geo) + list(allocate_outputs(rule, geo).values())
+    time_built(built, args, repeat=1)  # warm-up: JIT and page faults
+    return float(np.min([time_built(built, args, repeat=5) for _ in range(3)]))

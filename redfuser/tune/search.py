@@ -12,20 +12,29 @@ keeps each candidate's best median.  The winner is stored in the tuning database
 (``db.TuningDB``) under the rule's canonical spec, the geometry, dtype, target and
 machine; ``Kernel`` reads it on later compiles (``tuned_plan``).  A progress bar shows
 on a terminal; ``TuneResult.report()`` prints predicted vs measured per candidate.
+
+Candidates are timed through a ``measure(geo, plan, repeat) -> ms`` callable: by default
+``runtime.time_plan`` (a fresh build on random inputs); ``Kernel`` passes its own, which
+caches the builds it then reuses.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from ..analysis import Geometry
-from ..plan import Plan
+from tqdm.auto import tqdm
+
+from ..lowering import Geometry, Plan, choose
+from ..runtime import time_plan
 from .cost import predict
 from .db import TuningDB, entry_key
 from .machine import Machine, machine, machine_id
 from .space import plan_from_params, plan_params, same_plan, space
+
+Measure = Callable[[Geometry, Plan, int], float]  # (geometry, plan, repeat) -> milliseconds
 
 
 @dataclass
@@ -95,7 +104,7 @@ def rank(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
     --------
     >>> import redfuser
     >>> from redfuser.tune.machine import nominal_cpu
-    >>> from redfuser.tune.space import shape_geometry
+    >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("softmax")
     >>> best = rank(rule, shape_geometry(rule, {"x": (4096, 4096)}), figures=nominal_cpu())[0]
     >>> best.plan.variant, best.plan.lanes > 1
@@ -109,8 +118,8 @@ def rank(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
 
 def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5,
          rounds: int = 2, fast_math: bool = True, variants: tuple[str, ...] | None = None,
-         db: TuningDB | None | bool = None, progress: bool = True, kernel=None,
-         figures: Machine | None = None) -> TuneResult:
+         db: TuningDB | None | bool = None, progress: bool = True,
+         measure: Measure | None = None, figures: Machine | None = None) -> TuneResult:
     """Search the schedule of ``rule`` at ``geo``: rank, measure the ``top`` few and the
     hand-written plan, keep the fastest and store it (``db=False``: do not store).
 
@@ -118,7 +127,7 @@ def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5
     --------
     >>> import redfuser, tempfile
     >>> from redfuser.tune.machine import nominal_cpu
-    >>> from redfuser.tune.space import shape_geometry
+    >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("softmax")
     >>> tmp = tempfile.TemporaryDirectory()
     >>> db = TuningDB(tmp.name + "/tuning.json")
@@ -128,15 +137,13 @@ def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5
     True
     >>> tmp.cleanup()
     """
-    from ..kernel import Kernel
-
     if top < 1 or repeat < 1 or rounds < 1:
         raise ValueError("top, repeat and rounds must be positive integers")
     start = time.perf_counter()
-    kernel = kernel or Kernel(rule, target, fast_math=fast_math, tune=False)
+    measure = measure or (lambda g, plan, rep: time_plan(rule, g, plan, target, rep))
     trials = rank(rule, geo, target, fast_math, variants, figures)
     chosen = _to_measure(trials, rule, geo, target, fast_math, top)
-    _measure(kernel, geo, chosen, repeat, rounds, progress)
+    _measure(measure, geo, chosen, repeat, rounds, progress)
     done = [t for t in chosen if t.measured_ms is not None]
     if not done:
         raise RuntimeError("no candidate could be built and timed: " +
@@ -154,8 +161,6 @@ def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5
 def _to_measure(trials, rule, geo, target, fast_math, top) -> list[Trial]:
     """The ``top`` predicted candidates, the best predicted of every other variant (so a
     wrong variant call by the model is caught) and the hand-written plan (the baseline)."""
-    from ..plan import choose
-
     chosen = trials[:top]
     for variant in dict.fromkeys(t.plan.variant for t in trials):
         if not any(t.plan.variant == variant for t in chosen):
@@ -177,11 +182,9 @@ def _winner(done: list[Trial], hand: Trial | None) -> Trial:
     return win
 
 
-def _measure(kernel, geo: Geometry, chosen: list[Trial], repeat: int, rounds: int,
+def _measure(measure: Measure, geo: Geometry, chosen: list[Trial], repeat: int, rounds: int,
              progress: bool) -> None:
     """Build and time every chosen candidate ``rounds`` times, interleaved; keep the best."""
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=len(chosen) * rounds, desc="tuning", unit="run", leave=False,
                disable=None if progress else True)
     try:
@@ -191,7 +194,7 @@ def _measure(kernel, geo: Geometry, chosen: list[Trial], repeat: int, rounds: in
                 if t.error:
                     continue
                 try:
-                    ms = kernel.time_plan(geo, t.plan, repeat)
+                    ms = measure(geo, t.plan, repeat)
                 except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped
                     t.error = f"{type(e).__name__}: {e}".splitlines()[0]
                     continue
@@ -211,20 +214,20 @@ def _store(db: TuningDB, result: TuneResult, win: Trial) -> None:
                       RuntimeWarning, stacklevel=3)
 
 
-def model_plan(kernel, geo: Geometry) -> Plan:
+def model_plan(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True) -> Plan:
     """The cost model's first choice, nothing measured (``compile(..., tune="model")``)."""
-    best = rank(kernel.rule, geo, kernel.target, kernel.options["fast_math"])[0]
+    best = rank(rule, geo, target, fast_math)[0]
     return replace(best.plan, reason=f"cost model: {best.predicted_ms:.3f} ms predicted, "
                                      "not measured")
 
 
-def tuned_plan(kernel, geo: Geometry, search: bool = False,
-               db: TuningDB | None = None) -> Plan | None:
-    """The database's plan for ``kernel``'s rule at ``geo`` (None when there is none);
-    with ``search``, tune first when there is none.  Never raises on a bad database."""
-    fast_math = kernel.options["fast_math"]
+def tuned_plan(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
+               search: bool = False, db: TuningDB | None = None,
+               measure: Measure | None = None) -> Plan | None:
+    """The database's plan for ``rule`` at ``geo`` (None when there is none); with
+    ``search``, tune first when there is none.  Never raises on a bad database."""
     db = db or TuningDB()
-    key = entry_key(kernel.rule, geo, kernel.target, machine_id(kernel.target), fast_math)
+    key = entry_key(rule, geo, target, machine_id(target), fast_math)
     record = db.get(key)
     if record is not None:
         try:
@@ -236,8 +239,7 @@ def tuned_plan(kernel, geo: Geometry, search: bool = False,
     if not search:
         return None
     try:
-        return tune(kernel.rule, geo, kernel.target, fast_math=fast_math, db=db,
-                    kernel=kernel).best
+        return tune(rule, geo, target, fast_math=fast_math, db=db, measure=measure).best
     except RuntimeError as e:  # nothing could be measured (e.g. no device): hand-written
         warnings.warn(f"redfuser: schedule search failed ({e}); using the hand-written plan",
                       RuntimeWarning, stacklevel=2)

@@ -9,7 +9,7 @@ parameter   variants             applies when / values
 variant     -                    rolling (rows in parallel), split (pieces of rows in
                                  parallel, combined with the merge; when N holds two
                                  pieces of 32), unfused (one pass per reduction)
-lanes       all                  every state is a per-row scalar (``plan.vector_lanes``):
+lanes       all                  every state is a per-row scalar (``vector_lanes``):
                                  1, 4, 8, 16, 32 (with 2 x lanes <= N); else 1.  The
                                  unfused baseline: when one of its stages can vectorize
 tile        all                  elements per lane folded at fixed anchors before a merge:
@@ -26,7 +26,7 @@ row_block   rolling, unfused     rows folded together sharing each load: one lan
 
 CUDA: variant; ``threads`` per block (powers of two from 32 up to what the shared-memory
 state allows); ``splits`` for split.  ``fast_math`` is not searched: it changes results.
-The hand-written plan (``plan.choose``) is always in the space.
+The hand-written plan (``lowering.choose``) is always in the space.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ import numpy as np
 
 from algebra.components import LinearComponent
 
-from ..analysis import Geometry, geometry
-from ..plan import VARIANTS, Plan, choose, vector_lanes
+from ..lowering import VARIANTS, Geometry, Plan, choose
+from ..lowering.cpu.plan import LANES, vector_lanes
+from ..lowering.cuda.plan import threads_for
+from ..tvm_adapter import default_threads
+from .work import rule_work
 
 TUNED = ("variant", "lanes", "tile", "splits", "threads", "row_block")  # Plan fields searched
 LANE_VALUES = (1, 4, 8, 16, 32)
@@ -103,18 +106,17 @@ def space(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
     --------
     >>> import redfuser
     >>> rule = redfuser.derive("softmax")
+    >>> from redfuser.lowering import shape_geometry
     >>> s = space(rule, shape_geometry(rule, {"x": (64, 1024)}))
     >>> [p.name for p in s.variants["rolling"]], len(s.candidates()) > 20
     (['lanes', 'tile'], True)
     """
-    from ..tvm_adapter import default_threads
-
     variants = variants or VARIANTS
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {VARIANTS}")
     threads = threads or default_threads()
-    table = _cuda_params if target == "cuda" else _cpu_params
+    table = PARAMS[target]
     found = {v: table(rule, geo, v, threads) for v in variants}
     default = choose(rule, geo, target=target, fast_math=fast_math,
                      threads=None if target == "cuda" else threads)
@@ -137,8 +139,6 @@ def _cpu_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param,
 
 def _lanes(rule, geo: Geometry, variant: str) -> Param:
     if variant == "unfused":
-        from .work import rule_work
-
         ok = any(rule_work(rule, geo).stage_lanes)
     else:
         ok = vector_lanes(rule, geo) > 1
@@ -176,19 +176,17 @@ def _splits(rule, geo: Geometry, threads: int) -> Param | None:
 
 
 def _row_block(geo: Geometry, lanes: Param, threads: int) -> Param | None:
-    if "row_block" not in {f.name for f in fields(Plan)} or lanes.values != (1,):
+    if lanes.values != (1,):
         return None
     shared = any(g.count < geo.r and g.length > 1 and g.width > 1 for g in geo.inputs.values())
     values = tuple(b for b in ROW_BLOCKS if b * threads <= geo.r)
-    if not shared or geo.d % 16 or len(values) < 2:
+    if not shared or geo.d % LANES or len(values) < 2:
         return None
     return Param("row_block", values, "a stream is shared by the rows: a block of rows "
                                       "shares each load of it")
 
 
 def _cuda_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param, ...] | None:
-    from ..gpu import threads_for
-
     most = threads_for(rule, geo, limit=max(CUDA_THREADS))
     block = Param("threads", tuple(t for t in CUDA_THREADS if t <= most),
                   "threads per block, combined by a shared-memory merge tree")
@@ -209,7 +207,10 @@ def _valid(plan: Plan, geo: Geometry) -> bool:
         return False
     if plan.variant == "split" and geo.n // plan.splits < 2 * step:
         return False
-    return getattr(plan, "row_block", 1) == 1 or plan.tile > 1
+    return plan.row_block == 1 or plan.tile > 1
+
+
+PARAMS = {"cpu": _cpu_params, "cuda": _cuda_params}  # target -> its parameters
 
 
 def same_plan(a: Plan, b: Plan) -> bool:
@@ -254,54 +255,3 @@ def plan_from_params(params: dict, fast_math: bool = True, reason: str = "") -> 
             raise ValueError(f"plan parameter {k} must be a positive integer, not {v!r}")
     return Plan(**{k: (v if k == "variant" else int(v)) for k, v in params.items()},
                 fast_math=fast_math, reason=reason)
-
-
-def shape_geometry(rule, shapes: dict[str, tuple] | None = None, rows: tuple | None = None,
-                   n: int | None = None, d: int | None = None) -> Geometry:
-    """The geometry of inputs of the given shapes, without data.  Inputs not in ``shapes``
-    take their kind's shape: streams (*rows, n) or (*rows, n, d), parameters scalars or
-    (*rows, d) when they carry the feature axis; rows, n and d default to those of the
-    first given stream (else (1,), 64 and 16).
-
-    Examples
-    --------
-    >>> import redfuser
-    >>> geo = shape_geometry(redfuser.derive("attention"),
-    ...                      {"q": (8, 4, 64), "k": (8, 1, 256, 64), "v": (8, 1, 256, 64)})
-    >>> geo.rows, geo.n, geo.d
-    ((8, 4), 256, 64)
-    >>> shape_geometry(redfuser.derive("rmsnorm"), {"x": (8, 256)}).inputs["g"].length
-    256
-    """
-    from algebra.layout import resolve
-
-    c, shapes = rule.cascade, dict(shapes or {})
-    streams = {s.name for s in c.streams}
-    unknown = sorted(set(shapes) - streams - {p.name for p in c.params})
-    if unknown:
-        raise ValueError(f"unknown input(s) {unknown}: the spec reads "
-                         f"{sorted(streams | {p.name for p in c.params})}")
-    rows, n, d = _defaults(c, shapes, rows, n, d)
-    arrays = {}
-    for name in sorted(streams | {p.name for p in c.params}):
-        vec = name in c.vector_inputs
-        shape = shapes.get(name)
-        if shape is None:
-            shape = ((*rows, n) if name in streams else (*rows,) if vec else ()) + \
-                ((d,) if vec else ())
-        shape = tuple(int(s) for s in shape)
-        arrays[name] = np.broadcast_to(np.float32(0.5), shape) if shape else 0.5
-    return geometry(rule, resolve(c, arrays, dtype=np.float32))
-
-
-def _defaults(c, shapes: dict, rows, n, d) -> tuple[tuple, int, int]:
-    """rows, n, d from the first given stream where the caller did not say."""
-    for s in sorted(x.name for x in c.streams):
-        shape = tuple(shapes.get(s, ()))
-        if len(shape) >= 2 and s in c.vector_inputs:
-            rows, n, d = rows or shape[:-2], n or shape[-2], d or shape[-1]
-        elif shape:
-            rows, n = rows or shape[:-1], n or shape[-1]
-        if shape:
-            break
-    return tuple(rows or (1,)), int(n or 64), int(d or 16)

@@ -19,9 +19,14 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from algebra import derive
 from algebra.components import LinearComponent, ProductComponent, SelectComponent
+from algebra.functions import Dot
 
-from ..analysis import Geometry, component_exprs, is_vec
+from ..lowering import Geometry, shape_geometry
+from ..lowering.cpu.plan import LANES, vector_lanes
+from ..lowering.cpu.tiles import levels
+from ..lowering.geometry import component_exprs, is_vec
 
 CALLS = {"exp", "log", "tanh", "erf", "sin", "cos", "log1p", "expm1", "Sigmoid", "Softplus"}
 ONE_OP = {"Max", "Min", "Maximum", "Minimum", "Abs", "sign", "floor", "ceiling", "Relu",
@@ -135,16 +140,12 @@ def element_work(rule_or_spec) -> Work:
     >>> element_work("m = max(x[i]); d = sum(exp(x[i] - m))").calls
     2.0
     """
-    import redfuser
-
-    rule = redfuser.derive(rule_or_spec) if isinstance(rule_or_spec, str) else rule_or_spec
+    rule = derive(rule_or_spec) if isinstance(rule_or_spec, str) else rule_or_spec
     w = rule_work(rule, _flat_geometry(rule))
     return w.fold + w.reanchor
 
 
 def _flat_geometry(rule) -> Geometry:
-    from .space import shape_geometry
-
     shapes = {s.name: (1, 64) for s in rule.cascade.streams}
     return shape_geometry(rule, shapes, d=1)
 
@@ -156,7 +157,7 @@ def rule_work(rule, geo: Geometry) -> RuleWork:
     Examples
     --------
     >>> import redfuser
-    >>> from redfuser.tune.space import shape_geometry
+    >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("softmax")
     >>> w = rule_work(rule, shape_geometry(rule, {"x": (4, 256)}))
     >>> w.fold.calls, w.reanchor.calls, w.elementwise.calls
@@ -187,10 +188,10 @@ def _rule_work(rule, geo: Geometry) -> RuleWork:
         shared_count(list(rule.running.values()), vec), _elementwise_work(rule, geo),
         tuple(count(r.body, vec) + _reduce_ops(r.k) for r in reds), _stage_lanes(rule, geo),
         any(isinstance(c, LinearComponent) and c.anchors for c in rule.components),
-        sum(max(map(_chain, level)) for level in _levels(rule)),
+        sum(max(map(_chain, level)) for level in levels(rule)),
         tuple(_chain_of(r.op, r.k) for r in reds),
         float(sum(g.width > 1 and g.length > 1 for g in geo.inputs.values())), float(wide),
-        float(len(set().union(*(e.atoms(_dot()) for e in fold)))))
+        float(len(set().union(*(e.atoms(Dot) for e in fold)))))
 
 
 def _reduce_ops(k: int | None) -> Work:
@@ -206,12 +207,6 @@ def _chain_of(op: str, k: int | None) -> float:
     if k and k > 1:
         return INSERT_CHAIN * k
     return SELECT_CHAIN if op in ("max", "min", "argmax", "argmin") else 1.0
-
-
-def _levels(rule) -> list:
-    from ..tiles import levels
-
-    return levels(rule)
 
 
 def _primed(comp, expr):
@@ -241,16 +236,8 @@ def _varying(expr: sp.Expr, streams: set[str]) -> sp.Expr:
 
 
 def _stage_lanes(rule, geo: Geometry) -> tuple[bool, ...]:
-    from ..plan import LANES, vector_lanes
-
     if vector_lanes(rule, geo) > 1:
         return (True,) * len(rule.cascade.reductions)
     vec_names = set(geo.vec)
     return tuple(not is_vec(r.body, vec_names) and r.k is None and geo.n >= 2 * LANES and
-                 not r.body.atoms(_dot()) for r in rule.cascade.reductions)
-
-
-def _dot():
-    from algebra.functions import Dot
-
-    return Dot
+                 not r.body.atoms(Dot) for r in rule.cascade.reductions)

@@ -1,14 +1,15 @@
 """Emitter steps for selections (max/min/arg/top-k) and for settling re-anchored states at
-finalize; mixed into ``lower.Emitter`` (kept apart to keep each module readable)."""
+finalize; mixed into ``emitter.Emitter`` (kept apart to keep each module readable)."""
 
 from __future__ import annotations
 
 from algebra.components import COUNT, INDEX_SENTINEL, primed
 
+from ..tvm_adapter import LEAVES, T, tirx
 from .fastmath import isfinite, isnan
-from .registers import F32, I64, States
+from .registers import States
+from .signature import F32, I64
 from .texpr import const
-from .tvm_adapter import LEAVES, T, tirx
 
 
 def all_of(conds):
@@ -43,7 +44,7 @@ class SelectSteps:
         vname = comp.state[0].symbol.name
         jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
         if comp.k == 1 and jname is None:
-            with self._slots(st.widths[vname]) as slot:
+            with self.slots(st.widths[vname]) as slot:
                 st.set(vname, lane, self._best(comp, st.get(vname, lane, slot), v), slot)
             return
         if comp.k == 1:
@@ -82,7 +83,7 @@ class SettleSteps:
         same = all_of([held[a] == true[a] for a in names])
         degree = comp.compiled("degree", comp.shift_degrees)
         cols = [c.name for c in comp.columns]
-        with self._slots(max(st.widths.get(c, 1) for c in cols)) as slot:
+        with self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
             look = self.state_lookup(st, 0, r, slot, {
                 **held, **{primed(a).name: true[a.name] for a in comp.anchors}})
             values = {}

@@ -1,4 +1,4 @@
-"""The CUDA forms of the variants: one thread block per row (or per row piece).
+"""The CUDA variants: one thread block per row (or per row piece).
 
 Each thread folds a strided share of the stream into its own slot of a shared-memory
 state array; the slots are combined by a tree of the derived merge (the same merge
@@ -10,24 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .lower import Emitter
-from .registers import States
-from .tvm_adapter import T, tirx
-from .variants import copy_state, workspace
-
-SHARED_BYTES = 48 * 1024  # static shared memory available to a block without opt-in
-
-
-def threads_for(rule, geo, limit: int = 256) -> int:
-    """Largest power of two <= limit whose shared-memory state fits."""
-    from .registers import rule_k
-
-    words = sum(rule_k(rule, s.symbol.name) if s.kind.endswith("_k") else geo.width(
-        s.symbol.name) for s in rule.state)
-    threads = limit
-    while threads > 32 and threads * words * 4 > SHARED_BYTES:
-        threads //= 2
-    return threads
+from ...tvm_adapter import T, tirx
+from ..emitter import Emitter
+from ..nests import copy_state, epilogue_values, stages, store_results, workspace
+from ..registers import States
 
 
 def _sync():
@@ -94,7 +80,7 @@ def _finish_row(em, t, r, threads: int, results, elementwise, fold):
     em.elementwise(r, elementwise, t, threads)
 
 
-def cuda_rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
+def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
     em = Emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
     with T.launch_thread("blockIdx.x", geo.r) as r:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
@@ -103,7 +89,7 @@ def cuda_rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
                         lambda own: _fold(em, own, t, r, zero, geo.n, plan.threads))
 
 
-def cuda_split(rule, geo, plan, bufs, results, elementwise):
+def split(rule, geo, plan, bufs, results, elementwise):
     em = Emitter(rule, geo, plan, bufs, results)
     s, chunk = plan.splits, -(-geo.n // plan.splits)
     work = workspace(rule, geo, geo.r * s)
@@ -126,27 +112,23 @@ def cuda_split(rule, geo, plan, bufs, results, elementwise):
             _finish_row(em, t, r, plan.threads, results, elementwise, load)
 
 
-def cuda_unfused(rule, geo, plan, bufs, results, elementwise):
-    from .variants import _epilogue_values, result_dtype, result_width, stage_rule
-
-    tmp = {}
-    for k, red in enumerate(rule.cascade.reductions):
-        width = result_width(rule, geo, red.name)
-        tmp[red.name] = (T.alloc_buffer((geo.r, width), result_dtype(rule, red.name)), width)
-        stage = stage_rule(rule, k)
-        cuda_rolling(stage, geo, dataclasses.replace(plan, lanes=1), bufs,
-                     {red.name: tmp[red.name]}, {}, rowvals=_epilogue_values(rule, tmp))
-    em = Emitter(rule, geo, plan, bufs, _epilogue_values(rule, tmp))
+def unfused(rule, geo, plan, bufs, results, elementwise):
+    """One kernel per reduction; thread 0 stores the per-row results, then every thread
+    writes its share of the per-element outputs."""
+    done = {}
+    for stage, result, rowvals in stages(rule, geo):
+        done.update(result)
+        rolling(stage, geo, dataclasses.replace(plan, lanes=1), bufs, result, {},
+                rowvals=rowvals)
+    em = Emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
     with T.launch_thread("blockIdx.x", geo.r) as r:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
             with T.If(t == 0):
                 with T.Then():
-                    for name, (buf, width) in results.items():
-                        expr = rule.cascade.epilogues.get(name, rule.cascade.results[name])
-                        with em._slots(width) as slot:
-                            T.buffer_store(buf, em.expr(expr, em.base_lookup(r, None, slot)),
-                                           [r, slot])
+                    store_results(em, r, results)
             _sync()
             em.rowvals = {**em.rowvals, **results}
             em.elementwise(r, elementwise, t, plan.threads)
 
+
+VARIANTS = {"rolling": rolling, "split": split, "unfused": unfused}

@@ -14,7 +14,8 @@ import numpy as np
 import redfuser
 from algebra.library import example_inputs
 
-from .tvm_adapter import cuda_target, device
+from ..tvm_adapter import cuda_target, device
+from .bench import workloads
 
 VARIANTS = ("rolling", "split", "unfused")
 
@@ -36,9 +37,7 @@ def check_correctness(n: int = 3000) -> int:
 
 
 def timings():
-    from .bench import workloads
-
-    try:
+    try:  # torch is optional: its GPU columns need a CUDA build of it
         import torch
 
         has_torch = torch.cuda.is_available()
@@ -56,7 +55,7 @@ def timings():
 
 
 def _torch_ms(w, inputs) -> float:
-    import torch
+    import torch  # only reached when torch with CUDA is there (checked by the caller)
 
     dev = {k: torch.from_numpy(v).cuda() if isinstance(v, np.ndarray) else v
            for k, v in inputs.items()}

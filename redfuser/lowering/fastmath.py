@@ -16,10 +16,9 @@ from contextvars import ContextVar
 
 import numpy as np
 
-from .tvm_adapter import IRBuilder, T, arg_buffer, build, cpu_target, from_numpy, tirx
+from ..tvm_adapter import IRBuilder, T, arg_buffer, tirx
 
-__all__ = ["fast_exp", "fast_log", "fast_tanh", "fast_sigmoid", "elementwise_kernel",
-           "evaluate"]
+__all__ = ["fast_exp", "fast_log", "fast_tanh", "fast_sigmoid", "elementwise_kernel"]
 
 F32 = "float32"
 _LOG2E = 1.4426950408889634
@@ -275,7 +274,8 @@ def fast_sigmoid(x):
 
     Examples
     --------
-    >>> evaluate(fast_sigmoid, np.array([0.0, np.inf, -np.inf], "float32"))
+    >>> from redfuser.runtime import evaluate_elementwise
+    >>> evaluate_elementwise(fast_sigmoid, np.array([0.0, np.inf, -np.inf], "float32"))
     array([0.5, 1. , 0. ], dtype=float32)
     """
     return _f(1.0) / (_f(1.0) + fast_exp(-_as_f32(x)))
@@ -305,23 +305,3 @@ def elementwise_kernel(builder, n: int, lanes: int = 16, parallel: bool = False,
                 with T.vectorized(0, lanes) as lane:
                     T.buffer_store(y, builder(x[o * lanes + lane]), [o * lanes + lane])
     return ib.get()
-
-
-def evaluate(builder, xs: np.ndarray, lanes: int = 16) -> np.ndarray:
-    """Apply ``builder`` to a float32 array through a freshly compiled vectorized kernel.
-
-    For tests and quick checks: it compiles on every call (about 0.05 s).
-
-    Examples
-    --------
-    >>> xs = np.linspace(-5, 5, 100, dtype="float32")
-    >>> bool(np.allclose(evaluate(fast_exp, xs), np.exp(xs), rtol=3e-7, atol=0))
-    True
-    """
-    xs = np.asarray(xs, dtype=np.float32).ravel()
-    padded = np.zeros(-(-max(len(xs), 1) // lanes) * lanes, np.float32)
-    padded[: len(xs)] = xs
-    out = from_numpy(np.empty_like(padded))
-    kernel = build(elementwise_kernel(builder, len(padded), lanes), cpu_target())
-    kernel["fastmath_kernel"](from_numpy(padded), out)
-    return out.numpy()[: len(xs)]

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from algebra import derive
+
+from ..lowering import shape_geometry
+from ..tune import tune
+
 CASES = (("softmax", "softmax"), ("layernorm stats", "variance"))  # (MetaSchedule, library)
 ROWS = N = 1024
 
@@ -35,12 +40,7 @@ def print_comparison(scale: float = 1.0, trials: int = 32) -> list[dict]:
 
 
 def _ours(spec: str, rows: int) -> dict:
-    import redfuser
-
-    from .search import tune
-    from .space import shape_geometry
-
-    rule = redfuser.derive(spec)
+    rule = derive(spec)
     geo = shape_geometry(rule, {"x": (rows, N)})
     unfused = tune(rule, geo, variants=("unfused",), top=3, repeat=3, rounds=2, db=False,
                    progress=False)
@@ -54,7 +54,7 @@ def _best(result) -> float:
 
 
 def _theirs(name: str, rows: int, trials: int) -> dict:
-    try:
+    try:  # lazily: MetaSchedule needs psutil and cloudpickle (the test extras)
         from .metaschedule import tune_te
     except ImportError as e:  # psutil / cloudpickle missing
         return {"notes": f"MetaSchedule unavailable: {e}"}

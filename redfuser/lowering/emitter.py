@@ -1,4 +1,6 @@
-"""Stage 6, lower: FusionRule + Geometry + Plan -> one TIR PrimFunc (built with TVM's IRBuilder).
+"""The ``Emitter``: the statements of a rule's state, update, merge, finalize and
+per-element outputs, emitted into the active IRBuilder frame (the loop nests around them
+live in ``lowering.cpu.variants`` and ``lowering.cuda.variants``).
 
 The kernel is generated from the rule's state, update, merge and finalize, the same
 code path for every cascade.  Per row (rows run in parallel): state registers per
@@ -21,18 +23,18 @@ from contextlib import contextmanager
 import sympy as sp
 
 from algebra.components import COUNT, LinearComponent, SelectComponent, primed
+from algebra.functions import Dot
 from algebra.rule import FusionRule
 from algebra.spec import INDEX, LENGTH
 
-from .analysis import Geometry
+from ..tvm_adapter import LEAVES, T, tirx
 from .fastmath import isfinite, statement_lets
+from .geometry import Geometry, component_exprs
 from .plan import Plan
-from .registers import F32, I64, Const0, States, work, working_anchors
+from .registers import Const0, States, work, working_anchors
+from .signature import F32, I64
 from .steps import SelectSteps, SettleSteps, all_of
 from .texpr import const, to_tir
-from .tvm_adapter import LEAVES, T, tirx
-
-VECTOR = 16  # float32 lanes of an AVX-512 register, for the per-element pass
 
 
 def _mul0(a, b):
@@ -44,12 +46,19 @@ def _mul0(a, b):
 
 
 class Emitter(SelectSteps, SettleSteps):
-    """Emits the statements of one kernel into the active IRBuilder frame."""
+    """Emits the statements of one kernel into the active IRBuilder frame.
 
-    def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict):
+    ``simd``: the target's float32 vector width (1 where threads, not vectors, carry the
+    parallelism); feature-axis loops are vectorized that wide when no lane loop is
+    vectorized around them (a vector loop cannot nest)."""
+
+    def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict,
+                 simd: int = 1):
         self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
         self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
         self.anchor_names = working_anchors(rule)
+        self.simd = simd
+        self.slot_simd = simd if plan.lanes == 1 else 1  # lanes > 1: the lane loop is vector
 
     # Step 1. Reading values ---------------------------------------------------------
     def row_of(self, name: str, r):
@@ -129,14 +138,13 @@ class Emitter(SelectSteps, SettleSteps):
     def dots(self, r, i):
         """Every dot product of the element, bound once."""
         return {dot: T.bind(self._dot(dot, r, i))
-                for dot in sorted({d for c in self.rule.components for e in _exprs(c)
-                                   for d in e.atoms(_Dot())}, key=str)}
+                for dot in rule_dots(self.rule)}
 
     def _dot(self, dot, r, i):
-        """VECTOR partial sums over the feature axis, then a halving tree: a scalar chain of
-        D dependent adds would bound attention by the add latency (4 cycles per feature)."""
-        d, vector = self.geo.d, self.plan.lanes == 1 and self.plan.threads == 1
-        width = VECTOR if vector and d % VECTOR == 0 else 1
+        """``slot_simd`` partial sums over the feature axis, then a halving tree: a scalar chain
+        of D dependent adds would bound attention by the add latency (4 cycles per feature)."""
+        d, vector = self.geo.d, self.slot_simd
+        width = vector if vector > 1 and d % vector == 0 else 1
         acc = T.alloc_buffer((width,), F32, scope="local")
         with (T.vectorized(0, width) if width > 1 else Const0()) as lane:
             T.buffer_store(acc, const(0), [lane])
@@ -172,13 +180,13 @@ class Emitter(SelectSteps, SettleSteps):
             if isinstance(comp, LinearComponent):
                 new = self._moved(st, lane, r, comp, moved)
                 self._linear(st, comp, [(lane, old, count)], lane, new, r,
-                             self._fresh(comp, r, i, new, dots))
+                             self.fresh(comp, r, i, new, dots))
             elif isinstance(comp, SelectComponent):
                 g = self.expr(comp.core, self.base_lookup(r, i, 0, dots))
                 self._select_insert(st, comp, lane, g, tirx.Cast(I64, i))
             else:
                 name = comp.state[0].symbol.name
-                with self._slots(st.widths[name]) as slot:
+                with self.slots(st.widths[name]) as slot:
                     st.set(name, lane, st.get(name, lane, slot) *
                            self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
         self.hold(st, lane, moved)
@@ -191,8 +199,8 @@ class Emitter(SelectSteps, SettleSteps):
             anchors = self.held(st, lane, [a.name for a in comp.anchors])
             cols = [c.name for c in comp.columns]
             width = max(st.widths.get(c, 1) for c in cols)
-            fresh = self._fresh(comp, r, i, anchors, dots or {}, basis)
-            with self._slots(width) as slot:
+            fresh = self.fresh(comp, r, i, anchors, dots or {}, basis)
+            with self.slots(width) as slot:
                 for c, value in zip(cols, fresh(slot), strict=True):
                     if c != COUNT.name:
                         st.set(c, lane, st.get(c, lane, slot) + value, slot)
@@ -201,11 +209,11 @@ class Emitter(SelectSteps, SettleSteps):
             self._select_insert(st, comp, lane, g, tirx.Cast(I64, i))
         else:
             name = comp.state[0].symbol.name
-            with self._slots(st.widths[name]) as slot:
+            with self.slots(st.widths[name]) as slot:
                 st.set(name, lane, st.get(name, lane, slot) *
                        self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
 
-    def _fresh(self, comp, r, i, anchors, dots, pre=None):
+    def fresh(self, comp, r, i, anchors, dots, pre=None):
         """slot -> the element's basis values; parts that are the same for every slot of a
         feature vector (attention's exp(s - m)) are bound once, before the slot loop (or
         come precomputed: ``pre`` = (basis, values))."""
@@ -222,15 +230,16 @@ class Emitter(SelectSteps, SettleSteps):
         return out, {sym: T.bind(self.expr(e, look)) for e, sym in found.items()}
 
     @contextmanager
-    def _slots(self, width: int):
-        """Loop over the slots of a feature vector (or top-k list); vectorized in VECTOR-wide
-        chunks when no lane loop is vectorized around it (a vector loop cannot nest)."""
+    def slots(self, width: int):
+        """Loop over the slots of a feature vector (or top-k list); vectorized in
+        ``slot_simd``-wide chunks when no lane loop is vectorized around it."""
+        vector = self.slot_simd
         if width == 1:
             yield 0
-        elif self.plan.lanes == 1 and self.plan.threads == 1 and width % VECTOR == 0:
-            with T.serial(0, width // VECTOR) as outer:
-                with T.vectorized(0, VECTOR) as inner:
-                    yield outer * VECTOR + inner
+        elif vector > 1 and width % vector == 0:
+            with T.serial(0, width // vector) as outer:
+                with T.vectorized(0, vector) as inner:
+                    yield outer * vector + inner
         else:
             with T.serial(0, width) as slot:
                 yield slot
@@ -240,7 +249,7 @@ class Emitter(SelectSteps, SettleSteps):
         cols = [c.name for c in comp.columns]
         width = max(st.widths.get(c, 1) for c in cols)
         entries = [self._entries(st, comp, lane, a_old, new, r) for lane, a_old, _ in sources]
-        with self._slots(width) as slot:
+        with self.slots(width) as slot:
             terms = [self._reanchor(st, comp, lane, a_old, count, new, r, slot, ent)
                      for (lane, a_old, count), ent in zip(sources, entries, strict=True)]
             extra = fresh(slot) if fresh else None
@@ -301,7 +310,7 @@ class Emitter(SelectSteps, SettleSteps):
                 vname = comp.state[0].symbol.name
                 jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
                 if comp.k == 1 and jname is None:
-                    with self._slots(st.widths[vname]) as slot:
+                    with self.slots(st.widths[vname]) as slot:
                         st.set(vname, a, self._best(comp, st.get(vname, a, slot),
                                                     st.get(vname, b, slot)), slot)
                 else:
@@ -310,7 +319,7 @@ class Emitter(SelectSteps, SettleSteps):
                                             st.get(jname, b, t) if jname else None)
             else:
                 name = comp.state[0].symbol.name
-                with self._slots(st.widths[name]) as slot:
+                with self.slots(st.widths[name]) as slot:
                     st.set(name, a, st.get(name, a, slot) * st.get(name, b, slot), slot)
         self.hold(st, a, moved)
 
@@ -324,7 +333,7 @@ class Emitter(SelectSteps, SettleSteps):
             if name not in results:
                 continue
             buf, width = results[name]
-            with self._slots(width) as slot:
+            with self.slots(width) as slot:
                 T.buffer_store(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
                                [r, slot])
 
@@ -338,9 +347,9 @@ class Emitter(SelectSteps, SettleSteps):
 
     def elementwise(self, r, outs: dict, start=0, step: int = 1):
         """Per-element outputs for elements start, start + step, ... (CUDA threads stride);
-        on the CPU (step 1) the element loop is vectorized in LANES-wide chunks.  Parts of
-        an output that do not depend on the element (``1/d`` of softmax) are computed once
-        per row."""
+        with ``simd`` > 1 (step 1) the element loop is vectorized in ``simd``-wide chunks.
+        Parts of an output that do not depend on the element (``1/d`` of softmax) are
+        computed once per row."""
         for name, expr in self.rule.cascade.elementwise.items():
             expr, hoisted = self._per_row(expr, r)
             buf = outs[name]
@@ -350,22 +359,23 @@ class Emitter(SelectSteps, SettleSteps):
                 T.buffer_store(buf, self.expr(expr, self.base_lookup(r, i, slot, hoisted)),
                                [r, i, slot])
 
-            if step == 1 and width == 1 and self.geo.n >= VECTOR:
-                full = self.geo.n // VECTOR * VECTOR
-                with T.serial(0, full // VECTOR) as c:
-                    with T.vectorized(0, VECTOR) as lane:
-                        store(c * VECTOR + lane, 0)
+            vector = self.simd
+            if vector > 1 and width == 1 and self.geo.n >= vector:
+                full = self.geo.n // vector * vector
+                with T.serial(0, full // vector) as c:
+                    with T.vectorized(0, vector) as lane:
+                        store(c * vector + lane, 0)
                 with T.serial(full, self.geo.n) as i:
                     store(i, 0)
                 continue
             count = self.geo.n if step == 1 else tirx.ceildiv(self.geo.n - start, step)
             with T.serial(0, count) as c:
                 i = c if step == 1 else start + c * step
-                if width > 1 and step == 1:
+                if width > 1 and vector > 1:
                     with T.vectorized(0, width) as slot:
                         store(i, slot)
                 else:
-                    with self._slots(width) as slot:
+                    with self.slots(width) as slot:
                         store(i, slot)
 
 
@@ -392,28 +402,21 @@ def split_invariant(exprs, varying: set, per_slot: bool = True):
 
 def _hoistable(e: sp.Expr, varying: set, names) -> bool:
     """Worth computing once outside the loop: not a leaf, no ``varying`` name."""
-    return not (e.is_Atom or e.is_number or type(e).__name__ == "Dot") and \
+    return not (e.is_Atom or e.is_number or isinstance(e, Dot)) and \
         not (names(e) & varying)
 
 
 def _names_outside_dots(e: sp.Expr) -> set[str]:
     """Free symbol names of ``e``, except inside dot products (a dot is one number per
     element: it does not vary over the feature axis its operands carry)."""
-    if type(e).__name__ == "Dot":
+    if isinstance(e, Dot):
         return set()
     if e.is_Symbol:
         return {e.name}
     return set().union(*(_names_outside_dots(a) for a in e.args)) if e.args else set()
 
 
-def _Dot():
-    from algebra.functions import Dot
-
-    return Dot
-
-
-def _exprs(comp):
-    from .analysis import component_exprs
-
-    return component_exprs(comp)
-
+def rule_dots(rule: FusionRule) -> list:
+    """Every dot product the rule's components evaluate per element, in a fixed order."""
+    return sorted({d for c in rule.components for e in component_exprs(c)
+                   for d in e.atoms(Dot)}, key=str)

@@ -1,4 +1,4 @@
-"""Benchmark: ``python -m redfuser.bench`` (a script, not a test).
+"""Benchmark: ``python -m redfuser.tools.bench`` or ``redfuser bench`` (a script, not a test).
 
 For each workload: the fused kernel, the unfused kernel (same scheduling, one pass
 per reduction), numpy, torch eager and torch.compile when torch is installed, and a
@@ -30,7 +30,9 @@ os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
 import redfuser  # noqa: E402
 
-from .tvm_adapter import default_threads  # noqa: E402
+from ..tune import describe, machine, tune  # noqa: E402
+from ..tvm_adapter import default_threads  # noqa: E402
+from .metaschedule_compare import print_comparison  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Workload:
 
 
 def _sdpa(t):
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # only when torch is there (an optional dependency)
 
     # our K/V are (H, 1, N, D), shared by the queries of a head; torch wants (H, N, D)
     return lambda a: F.scaled_dot_product_attention(t(a["q"]), t(a["k"])[:, 0], t(a["v"])[:, 0],
@@ -123,15 +125,13 @@ def median_ms(fn: Callable[[], object], repeat: int) -> float:
 
 def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
         only: str | None = None, tuned: bool = False) -> list[dict]:
-    try:
+    try:  # torch is optional (the test extras): without it the torch columns stay empty
         import torch
 
         torch.set_num_threads(default_threads())
     except ImportError:
         torch = None
     if tuned:  # calibrate the cost model before torch has run (its idle threads spin)
-        from .tune import machine
-
         machine()
     rng = np.random.default_rng(0)
     rows = []
@@ -150,8 +150,6 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
         rows.append(row)
         print(_line(row), flush=True)
         if tuned:
-            from .tune import describe
-
             same = row["tuned plan"] == describe(fused.plan)
             print(f"{'':<4}tuned: {row['tuned plan']} ({row['tune s']:.1f} s to tune); "
                   f"untuned: {'the same plan' if same else describe(fused.plan)}", flush=True)
@@ -161,10 +159,8 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
 def _add_tuned(row: dict, w: Workload, inputs: dict, fused, repeat: int) -> None:
     """Search the fused kernel's schedule for these inputs, then time the tuned and the
     untuned kernel alternately (the same noise for both; this replaces row["fused"])."""
-    from .tune import describe, tune
-
     kernel = redfuser.compile(w.spec, tune=True)
-    geo = _geometry(kernel, inputs)
+    geo = kernel.geometry(**inputs)
     result = tune(kernel.rule, geo, top=3, repeat=3, rounds=2)
     kernel = redfuser.compile(w.spec, tune=True)  # reads the entry the search just stored
     row["fused"], row["tuned"] = _alternating([lambda: fused(**inputs),
@@ -183,12 +179,6 @@ def _alternating(fns: list[Callable[[], object]], repeat: int) -> list[float]:
             fn()
             out.append(time.perf_counter() - start)
     return [float(np.median(t)) * 1e3 for t in times]
-
-
-def _geometry(kernel, inputs: dict):
-    from .analysis import geometry
-
-    return geometry(kernel.rule, kernel._layout(inputs))
 
 
 def _time_all(w: Workload, inputs: dict, fused, unfused, torch, repeat: int,
@@ -224,7 +214,7 @@ def _line(row: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m redfuser.bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m redfuser.tools.bench", description=__doc__)
     p.add_argument("--scale", type=float, default=1.0, help="scale the row counts (quick runs)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
@@ -241,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'workload':<34}" + "".join(f"{c:>{WIDTH[c]}}" for c in cols))
     run(args.scale, args.repeat, not args.no_compile, args.only, args.tuned)
     if args.tuned and not args.no_metaschedule:
-        from .tune.compare import print_comparison
-
         print_comparison(args.scale, args.ms_trials)
     return 0
 

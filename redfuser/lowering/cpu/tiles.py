@@ -14,7 +14,7 @@ tile and the derived merge pays the rescale once per tile instead of once per el
   weights): the rows of a block fold the same tile together and every load of the shared
   stream serves all of them; the D-vector sums run slot-chunk outermost, so each row's
   chunk of the sum stays in a register across the tile (a GEMM micro-kernel: tile x rows
-  x VECTOR).
+  x LANES).
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from __future__ import annotations
 from algebra.components import COUNT, LinearComponent
 from algebra.rule import FusionRule
 
-from .lower import VECTOR, Emitter, _Dot, _exprs, split_invariant
-from .registers import F32, Const0, States
-from .tvm_adapter import T, tirx
+from ...tvm_adapter import T, tirx
+from ..emitter import Emitter, rule_dots, split_invariant
+from ..registers import Const0, States
+from ..signature import F32
+from .plan import LANES
 
 
 def levels(rule: FusionRule) -> list[list]:
@@ -103,12 +105,12 @@ def _hold(em: Emitter, st: States, level, lane, r):
 
 
 def _wide(em: Emitter, st: States, comp) -> bool:
-    """A sum whose every column is a feature vector filling whole VECTOR chunks."""
+    """A sum whose every column is a feature vector filling whole LANES-wide vectors."""
     if not isinstance(comp, LinearComponent):
         return False
     cols = [c.name for c in comp.columns if c != COUNT]
     return bool(cols) and all(st.widths[c] == em.geo.d for c in cols) and \
-        em.geo.d % VECTOR == 0
+        em.geo.d % LANES == 0
 
 
 def _vector_sums(em: Emitter, sts, comp, rows, base, size: int, dots, pres):
@@ -117,12 +119,12 @@ def _vector_sums(em: Emitter, sts, comp, rows, base, size: int, dots, pres):
     each row's chunk of S stays in a register and each streamed load serves every row."""
     cols = [c.name for c in comp.columns if c != COUNT]
     names = [a.name for a in comp.anchors]
-    with T.serial(0, em.geo.d // VECTOR) as chunk:
+    with T.serial(0, em.geo.d // LANES) as chunk:
         with T.serial(0, size) as k:
-            with T.vectorized(0, VECTOR) as lane:
-                slot = chunk * VECTOR + lane
+            with T.vectorized(0, LANES) as lane:
+                slot = chunk * LANES + lane
                 for st, r, d, pre in zip(sts, rows, dots, pres, strict=True):
-                    fresh = em._fresh(comp, r, base + k, em.held(st, 1, names),
+                    fresh = em.fresh(comp, r, base + k, em.held(st, 1, names),
                                       d(k) if d else {}, pre and (pre[0], pre[1](k)))
                     values = dict(zip([c.name for c in comp.columns], fresh(slot),
                                       strict=True))
@@ -134,8 +136,7 @@ def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
     """Dot products of elements base .. base + count - 1, per row, into local buffers
     (computed once, the rows sharing each streamed load); per row None (no dots) or
     k -> {dot: value at element base + k}."""
-    found = sorted({d for c in em.rule.components for e in _exprs(c) for d in e.atoms(_Dot())},
-                   key=str)
+    found = rule_dots(em.rule)
     if not found:
         return [None] * len(rows)
     caches = [T.alloc_buffer((len(found), count), F32, scope="local") for _ in rows]

@@ -11,7 +11,10 @@ from collections.abc import Callable
 
 import sympy as sp
 
-from .tvm_adapter import LEAVES, tirx
+from algebra.functions import Dot
+
+from ..tvm_adapter import LEAVES, tirx
+from . import fastmath  # vectorizable polynomial versions (TVM's exp is a scalar call)
 
 Lookup = Callable[[sp.Expr], object]  # sympy Symbol or Dot -> PrimExpr
 
@@ -25,15 +28,7 @@ def share(value, body):
     may not appear twice when it binds variables)."""
     if isinstance(value, LEAVES):
         return body(value)
-    from .fastmath import let  # statement-level inside the lowering (see statement_lets)
-
-    return let(value, body, "t")
-
-
-def _fast(name: str):
-    from . import fastmath  # vectorizable polynomial versions (TVM's exp is a scalar call)
-
-    return getattr(fastmath, f"fast_{name}")
+    return fastmath.let(value, body, "t")  # statement-level in the lowering (statement_lets)
 
 
 def _pow(base, e: sp.Expr, dtype: str):
@@ -96,10 +91,10 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
     >>> to_tir(2 * x + 1, lambda s: v, fast_math=False)
     T.float32(2.0) * v + T.float32(1.0)
     """
-    exp = _fast("exp") if fast_math else tirx.exp
+    exp = fastmath.fast_exp if fast_math else tirx.exp
 
     def go(e: sp.Expr):
-        if e.is_Symbol or type(e).__name__ == "Dot":
+        if e.is_Symbol or isinstance(e, Dot):
             return lookup(e)
         if e.is_number:
             return const(e, dtype)

@@ -3,7 +3,9 @@
 ``Geometry`` fixes the shapes of one call: flattened rows, stream length N, feature
 length D, every input's own (broadcast) row axes, and which values carry the
 feature axis.  Kernels are specialised per geometry (a small per-shape cache in
-``kernel.Kernel``), which lets every loop bound be a constant.
+``kernel.Kernel``), which lets every loop bound be a constant.  ``geometry`` reads it off
+inputs resolved by ``algebra.layout``; ``shape_geometry`` builds it from shapes alone (the
+schedule search, the CLI).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+import numpy as np
 import sympy as sp
 
 from algebra.components import COUNT, Component, LinearComponent, SelectComponent
-from algebra.layout import Layout
+from algebra.functions import Dot
+from algebra.layout import Layout, resolve
 from algebra.rule import FusionRule
 
 
@@ -63,7 +67,7 @@ class Geometry:
 
 def is_vec(expr: sp.Expr, vec: set[str]) -> bool:
     """Does ``expr`` carry the feature axis? A dot product collapses it."""
-    if type(expr).__name__ == "Dot":
+    if isinstance(expr, Dot):
         return False
     if expr.is_Symbol:
         return expr.name in vec
@@ -95,3 +99,52 @@ def geometry(rule: FusionRule, layout: Layout) -> Geometry:
             if is_vec(expr, vec - {COUNT.name}):
                 vec.add(name)
     return Geometry(tuple(layout.rows), layout.n, layout.d or 1, inputs, frozenset(vec))
+
+
+def shape_geometry(rule, shapes: dict[str, tuple] | None = None, rows: tuple | None = None,
+                   n: int | None = None, d: int | None = None) -> Geometry:
+    """The geometry of inputs of the given shapes, without data.  Inputs not in ``shapes``
+    take their kind's shape: streams (*rows, n) or (*rows, n, d), parameters scalars or
+    (*rows, d) when they carry the feature axis; rows, n and d default to those of the
+    first given stream (else (1,), 64 and 16).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> geo = shape_geometry(redfuser.derive("attention"),
+    ...                      {"q": (8, 4, 64), "k": (8, 1, 256, 64), "v": (8, 1, 256, 64)})
+    >>> geo.rows, geo.n, geo.d
+    ((8, 4), 256, 64)
+    >>> shape_geometry(redfuser.derive("rmsnorm"), {"x": (8, 256)}).inputs["g"].length
+    256
+    """
+    c, shapes = rule.cascade, dict(shapes or {})
+    streams = {s.name for s in c.streams}
+    unknown = sorted(set(shapes) - streams - {p.name for p in c.params})
+    if unknown:
+        raise ValueError(f"unknown input(s) {unknown}: the spec reads "
+                         f"{sorted(streams | {p.name for p in c.params})}")
+    rows, n, d = _defaults(c, shapes, rows, n, d)
+    arrays = {}
+    for name in sorted(streams | {p.name for p in c.params}):
+        vec = name in c.vector_inputs
+        shape = shapes.get(name)
+        if shape is None:
+            shape = ((*rows, n) if name in streams else (*rows,) if vec else ()) + \
+                ((d,) if vec else ())
+        shape = tuple(int(s) for s in shape)
+        arrays[name] = np.broadcast_to(np.float32(0.5), shape) if shape else 0.5
+    return geometry(rule, resolve(c, arrays, dtype=np.float32))
+
+
+def _defaults(c, shapes: dict, rows, n, d) -> tuple[tuple, int, int]:
+    """rows, n, d from the first given stream where the caller did not say."""
+    for s in sorted(x.name for x in c.streams):
+        shape = tuple(shapes.get(s, ()))
+        if len(shape) >= 2 and s in c.vector_inputs:
+            rows, n, d = rows or shape[:-2], n or shape[-2], d or shape[-1]
+        elif shape:
+            rows, n = rows or shape[:-1], n or shape[-1]
+        if shape:
+            break
+    return tuple(rows or (1,)), int(n or 64), int(d or 16)

@@ -1,4 +1,4 @@
-"""Stage 7, schedule: choose the variant and its parameters for one geometry.
+"""CPU plans: the one place for lanes, tiles and row blocks, and the policy that picks them.
 
 A small analytic model, stated so it can be checked: a fused rule reads the stream
 once (the unfused baseline reads it once per reduction); rows are spread over the
@@ -10,13 +10,13 @@ per-row scalar (no feature axis, no dot product, no top-k insertion).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from algebra.components import LinearComponent, SelectComponent
+from algebra.functions import Dot
 from algebra.rule import FusionRule
 
-from .analysis import Geometry, component_exprs
-from .tvm_adapter import default_threads
+from ...tvm_adapter import default_threads
+from ..geometry import Geometry, component_exprs
+from ..plan import Plan, check_variant
 
 LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per step
 TILE = 8  # elements per lane per tile: the merge's rescale is paid once per TILE elements
@@ -27,32 +27,12 @@ KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. atten
 ROW_BLOCK, BLOCK_TILE = 8, 32
 BLOCK_MIN_ELEMENTS = 8192  # 32 KB of float32: a shared stream smaller than L1 is cheap to reread
 MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
-VARIANTS = ("rolling", "split", "unfused")
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How one kernel instance is built; ``reason`` says why (shown as ``kernel.plan``)."""
-
-    variant: str
-    lanes: int = 1
-    splits: int = 1
-    fast_math: bool = True
-    reason: str = ""
-    threads: int = 1  # CUDA: threads per block, combined by a shared-memory merge tree
-    tile: int = 1  # CPU lanes: elements per lane folded at fixed anchors before a merge
-    row_block: int = 1  # CPU, one lane: rows folded together, sharing each streamed load
-
-    def __str__(self) -> str:
-        extra = f", {self.splits} splits" if self.variant == "split" else ""
-        extra += f", blocks of {self.row_block} rows" if self.row_block > 1 else ""
-        return f"{self.variant} ({self.lanes} lanes{extra}): {self.reason}"
 
 
 def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
     """Lanes for the element update: LANES when each lane's update is straight-line code."""
     scalar_states = all(s.symbol.name not in geo.vec for s in rule.state)
-    no_dot = not any(e.atoms(_dot_class()) for c in rule.components for e in component_exprs(c))
+    no_dot = not any(e.atoms(Dot) for c in rule.components for e in component_exprs(c))
     no_insert = not any(isinstance(c, SelectComponent) and c.k > 1 for c in rule.components)
     return LANES if scalar_states and no_dot and no_insert and geo.n >= 2 * LANES else 1
 
@@ -65,21 +45,13 @@ def tile_for(rule: FusionRule, lanes: int) -> int:
     return KEY_TILE if anchored else 1
 
 
-def _dot_class():
-    from algebra.functions import Dot
-
-    return Dot
-
-
-def choose(rule: FusionRule, geo: Geometry, variant: str | None = None, splits: int | None = None,
-           threads: int | None = None, fast_math: bool = True, target: str = "cpu") -> Plan:
+def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
+           splits: int | None = None, threads: int | None = None,
+           fast_math: bool = True) -> Plan:
     """Pick rolling or split (or honour ``variant``) with a row/thread/length model."""
-    if target == "cuda":
-        return _choose_cuda(rule, geo, variant, splits, fast_math)
+    check_variant(variant)
     threads = threads or default_threads()
     lanes = vector_lanes(rule, geo)
-    if variant is not None and variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
     if variant == "unfused":
         block = row_block_for(geo, lanes, threads)  # the same scheduling quality per pass
         return Plan("unfused", lanes, 1, fast_math, "requested: one pass per reduction",
@@ -110,24 +82,3 @@ def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:
                  g.length * g.width >= BLOCK_MIN_ELEMENTS for g in geo.inputs.values())
     enough = geo.r >= ROW_BLOCK * threads
     return ROW_BLOCK if lanes == 1 and shared and enough and geo.d % LANES == 0 else 1
-
-
-SMS = 132  # streaming multiprocessors of an H100/H200: blocks needed to fill the GPU
-
-
-def _choose_cuda(rule, geo, variant, splits, fast_math) -> Plan:
-    from .gpu import threads_for
-
-    threads = threads_for(rule, geo)
-    if variant is not None and variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
-    if variant == "unfused":
-        return Plan("unfused", 1, 1, fast_math, "requested: one kernel per reduction", threads)
-    few = geo.r < SMS and geo.n >= 4 * threads
-    if variant == "split" or (variant is None and few):
-        s = splits or min(threads, max(2, SMS // max(geo.r, 1)), max(1, geo.n // threads))
-        s = max(1, min(s, threads, geo.n))
-        why = "requested" if variant else f"{geo.r} rows < {SMS} SMs: split each row"
-        return Plan("split", 1, s, fast_math, why, threads)
-    return Plan("rolling", 1, 1, fast_math, "one block per row, threads merged by a tree",
-                threads)

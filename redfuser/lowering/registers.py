@@ -7,14 +7,13 @@ split workspaces and CUDA shared memory like any other register.
 
 from __future__ import annotations
 
-from algebra.components import INDEX_SENTINEL, LinearComponent
+from algebra.components import INDEX_SENTINEL, LinearComponent, StateVar
 from algebra.rule import FusionRule
 
-from .analysis import Geometry
+from ..tvm_adapter import T, tirx
+from .geometry import Geometry
+from .signature import F32, I64, rule_k
 from .texpr import const
-from .tvm_adapter import T, tirx
-
-F32, I64 = "float32", "int64"
 
 
 def working_anchors(rule: FusionRule) -> list[str]:
@@ -33,12 +32,17 @@ def registers(rule: FusionRule, geo: Geometry) -> dict[str, tuple[int, str, str,
     anchor starts at 0: the initial (empty) state is the same at every anchor."""
     out = {}
     for s in rule.state:
-        name, kind = s.symbol.name, s.kind
-        width = rule_k(rule, name) if kind.endswith("_k") else geo.width(name)
-        out[name] = (width, I64 if kind.startswith("ind") else F32, kind, s.init)
+        out[s.symbol.name] = (register_width(rule, geo, s), I64 if s.kind.is_index else F32,
+                              s.kind, s.init)
     for a in working_anchors(rule):
-        out[work(a)] = (geo.width(a), F32, "anchor", 0)
+        out[work(a)] = (geo.width(a), F32, None, 0)  # kind None: an anchor, not a state
     return out
+
+
+def register_width(rule: FusionRule, geo: Geometry, state: StateVar) -> int:
+    """Slots of one state variable: k for a top-k list, D on the feature axis, else 1."""
+    name = state.symbol.name
+    return rule_k(rule, name) if state.kind.per_k else geo.width(name)
 
 
 class States:
@@ -60,15 +64,12 @@ class States:
 
     def init(self, lane):
         for name, buf in self.bufs.items():
-            value = tirx.const(INDEX_SENTINEL, I64) if self.kinds[name].startswith("ind") \
+            kind = self.kinds[name]
+            value = tirx.const(INDEX_SENTINEL, I64) if kind is not None and kind.is_index \
                 else const(float(self.inits[name]))
             # no loop for one slot: a loop nested in a vectorized lane loop defeats TVM
             with (T.serial(0, self.widths[name]) if self.widths[name] > 1 else Const0()) as s:
                 T.buffer_store(buf, value, [lane, s])
-
-
-def rule_k(rule: FusionRule, name: str) -> int:
-    return next(c.k for c in rule.components for s in c.state if s.symbol.name == name)
 
 
 class Const0:

@@ -1,0 +1,38 @@
+"""Lowering: FusionRule + Geometry + Plan -> TIR PrimFunc (no runtime, no tuning).
+
+Read top to bottom: ``geometry`` fixes the shapes of a call; ``choose`` (the target's
+policy, ``backends``) picks a ``Plan``; ``signature`` gives the kernel's arguments;
+``build_primfunc`` emits the target's loop nest of the plan's variant, whose statements
+come from the ``Emitter`` (``emitter``, ``steps``, ``registers``), with sympy
+expressions translated by ``texpr`` and vectorizable math from ``fastmath``.
+"""
+
+from __future__ import annotations
+
+from algebra.rule import FusionRule
+
+from .backends import BACKENDS, Backend, backend
+from .geometry import Geometry, InputGeom, geometry, shape_geometry
+from .plan import VARIANTS, Plan
+from .primfunc import FUNC_NAME, build_primfunc
+from .signature import Arg, Signature, signature
+
+__all__ = ["BACKENDS", "FUNC_NAME", "VARIANTS", "Arg", "Backend", "Geometry", "InputGeom",
+           "Plan", "Signature", "backend", "build_primfunc", "choose", "geometry",
+           "shape_geometry", "signature"]
+
+
+def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
+           splits: int | None = None, threads: int | None = None, fast_math: bool = True,
+           target: str = "cpu") -> Plan:
+    """The hand-written plan of ``target`` for ``rule`` at ``geo`` (``variant``,
+    ``splits`` and ``threads`` pin what the caller asked for).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> rule = redfuser.derive("softmax")
+    >>> choose(rule, shape_geometry(rule, {"x": (64, 1024)}), threads=2).variant
+    'rolling'
+    """
+    return backend(target).choose(rule, geo, variant, splits, threads, fast_math)

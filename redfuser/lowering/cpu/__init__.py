@@ -1,0 +1,1 @@
+"""Per-target lowering: lanes, tiles and row blocks (CPU) behind ``backends``."""

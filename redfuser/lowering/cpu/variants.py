@@ -1,0 +1,126 @@
+"""The CPU variants as loop nests around the ``Emitter`` steps.
+
+- rolling: rows in parallel; per row, lanes fold interleaved elements, then merge.
+- split: (row, piece) pairs in parallel, each piece's state to a workspace; then per
+  row the pieces are merged (flash-decoding).
+- unfused: one rolling loop nest per reduction (each reading the final values of
+  the earlier ones), the baseline that shows what fusion buys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ...tvm_adapter import T, tirx
+from ..emitter import Emitter
+from ..geometry import Geometry
+from ..nests import copy_state, epilogue_values, stages, store_results, workspace
+from ..plan import Plan
+from ..registers import States
+from ..signature import I64
+from . import tiles
+from .plan import LANES, vector_lanes
+
+
+def _emitter(rule, geo, plan, bufs, rowvals) -> Emitter:
+    return Emitter(rule, geo, plan, bufs, rowvals, simd=LANES)
+
+
+def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
+    """Fold elements [start, start + length) into lanes 0..lanes-1, then merge them into 0.
+
+    With tile > 1, whole tiles of lanes x tile elements are folded level by level at
+    the tile's own final anchors (one exp per element instead of two for softmax; one
+    rescale of attention's D-vector per tile of keys instead of per key) and merged into
+    the running lanes; the rest goes element by element."""
+    step = lanes * tile
+    if step == 1:
+        with T.serial(0, length) as t:
+            em.update(st, 0, start + t, r)
+        return
+    with T.serial(0, tirx.floordiv(length, step)) as c:
+        base = start + c * step
+        if tile > 1:
+            tiles.tile(em, st, r, base, lanes, tile)
+        else:
+            with T.vectorized(0, lanes) as lane:
+                em.update(st, lane, base + lane, r)
+    with T.serial(tirx.floordiv(length, step) * step, length) as t:
+        em.update(st, 0, start + t, r)
+    if lanes > 1:
+        with T.serial(1, lanes) as lane:  # a loop, not unrolled: one copy of the merge
+            em.merge(st, 0, lane, r)
+
+
+def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
+    em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
+    if plan.row_block > 1:
+        return _rolling_blocks(em, geo, plan, results, elementwise)
+    with T.parallel(0, geo.r) as r:
+        st = States(rule, geo, 2 * plan.lanes)
+        for lane in range(plan.lanes):
+            st.init(lane)
+        _fold(em, st, r, tirx.const(0, I64), tirx.const(geo.n, I64), plan.lanes, plan.tile)
+        em.finalize(st, r, results)
+        em.elementwise(r, elementwise)
+
+
+def _rolling_blocks(em: Emitter, geo: Geometry, plan: Plan, results, elementwise):
+    """Blocks of ``plan.row_block`` rows in parallel; each tile is folded for every row of
+    the block at once (``tiles.tile_rows``).  The last block repeats the last row where the
+    rows do not divide evenly (same values written twice by one thread)."""
+    size, block = plan.tile, plan.row_block
+    with T.parallel(0, -(-geo.r // block)) as b:
+        rows = [T.bind(tirx.min(b * block + j, geo.r - 1)) for j in range(block)]
+        sts = [States(em.rule, geo, 2) for _ in rows]
+        for st in sts:
+            st.init(0)
+        with T.serial(0, geo.n // size) as c:
+            tiles.tile_rows(em, sts, rows, c * size, size)
+        with T.serial(geo.n // size * size, geo.n) as t:
+            for st, r in zip(sts, rows, strict=True):
+                em.update(st, 0, t, r)
+        for st, r in zip(sts, rows, strict=True):
+            em.finalize(st, r, results)
+            em.elementwise(r, elementwise)
+
+
+def split(rule, geo, plan, bufs, results, elementwise):
+    em = _emitter(rule, geo, plan, bufs, results)
+    s, chunk = plan.splits, -(-geo.n // plan.splits)
+    work = workspace(rule, geo, geo.r * s)
+    with T.parallel(0, geo.r * s) as rs:
+        r, piece = tirx.floordiv(rs, s), tirx.floormod(rs, s)
+        st = States(rule, geo, 2 * plan.lanes)
+        for lane in range(plan.lanes):
+            st.init(lane)
+        start = piece * chunk
+        length = tirx.max(tirx.min(tirx.const(geo.n, I64) - start, chunk), 0)
+        _fold(em, st, r, start, length, plan.lanes, plan.tile)
+        copy_state(st, work, 0, rs, to_work=True)
+    with T.parallel(0, geo.r) as r:
+        st = States(rule, geo, 2)
+        copy_state(st, work, 0, r * s, to_work=False)
+        with T.serial(1, s) as piece:
+            copy_state(st, work, 1, r * s + piece, to_work=False)
+            em.merge(st, 0, 1, r)
+        em.finalize(st, r, results)
+        em.elementwise(r, elementwise)
+
+
+def unfused(rule, geo, plan, bufs, results, elementwise):
+    """One loop nest per reduction; epilogues and per-element outputs in a last one."""
+    done = {}
+    for stage, result, rowvals in stages(rule, geo):
+        done.update(result)
+        lanes = plan.lanes if vector_lanes(stage, geo) > 1 else 1
+        blocks = plan.row_block if lanes == 1 else 1
+        rolling(stage, geo, dataclasses.replace(plan, lanes=lanes, row_block=blocks), bufs,
+                result, {}, rowvals=rowvals)
+    em = _emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
+    with T.parallel(0, geo.r) as r:
+        store_results(em, r, results)
+        em.elementwise(r, elementwise)
+
+
+VARIANTS = {"rolling": rolling, "split": split, "unfused": unfused}

@@ -1,0 +1,44 @@
+"""CUDA plans: the one place for the GPU's facts (SM count, shared memory, threads) and the
+policy that picks threads per block and splits."""
+
+from __future__ import annotations
+
+from algebra.rule import FusionRule
+
+from ..geometry import Geometry
+from ..plan import Plan, check_variant
+from ..registers import register_width
+
+SMS = 132  # streaming multiprocessors of an H100/H200: blocks needed to fill the GPU
+SHARED_BYTES = 48 * 1024  # static shared memory available to a block without opt-in
+MAX_THREADS = 256  # threads per block the hand-written plan starts from
+MIN_THREADS = 32  # one warp: never fewer
+WORD_BYTES = 4  # float32 / the low word of an index: what the shared-memory state holds
+
+
+def threads_for(rule: FusionRule, geo: Geometry, limit: int = MAX_THREADS) -> int:
+    """Largest power of two <= limit whose shared-memory state fits."""
+    words = sum(register_width(rule, geo, s) for s in rule.state)
+    threads = limit
+    while threads > MIN_THREADS and threads * words * WORD_BYTES > SHARED_BYTES:
+        threads //= 2
+    return threads
+
+
+def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
+           splits: int | None = None, threads: int | None = None,
+           fast_math: bool = True) -> Plan:
+    """One block per row, threads merged by a tree; split rows over blocks when there are
+    fewer rows than SMs and each thread still gets several elements."""
+    check_variant(variant)
+    threads = threads_for(rule, geo)
+    if variant == "unfused":
+        return Plan("unfused", 1, 1, fast_math, "requested: one kernel per reduction", threads)
+    few = geo.r < SMS and geo.n >= 4 * threads
+    if variant == "split" or (variant is None and few):
+        s = splits or min(threads, max(2, SMS // max(geo.r, 1)), max(1, geo.n // threads))
+        s = max(1, min(s, threads, geo.n))
+        why = "requested" if variant else f"{geo.r} rows < {SMS} SMs: split each row"
+        return Plan("split", 1, s, fast_math, why, threads)
+    return Plan("rolling", 1, 1, fast_math, "one block per row, threads merged by a tree",
+                threads)

@@ -1,0 +1,43 @@
+"""A plan: how one kernel instance is built (variant, lanes, tiles, splits, threads).
+
+Plans are data.  The policy that picks one lives with each target
+(``lowering.cpu.plan.choose``, ``lowering.cuda.plan.choose``; ``lowering.backends`` maps a
+target name to its own), the schedule search (``redfuser.tune``) enumerates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VARIANTS = ("rolling", "split", "unfused")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one kernel instance is built; ``reason`` says why (shown as ``kernel.plan``).
+
+    Examples
+    --------
+    >>> print(Plan("split", lanes=16, splits=4, reason="requested"))
+    split (16 lanes, 4 splits): requested
+    """
+
+    variant: str
+    lanes: int = 1
+    splits: int = 1
+    fast_math: bool = True
+    reason: str = ""
+    threads: int = 1  # CUDA: threads per block, combined by a shared-memory merge tree
+    tile: int = 1  # CPU lanes: elements per lane folded at fixed anchors before a merge
+    row_block: int = 1  # CPU, one lane: rows folded together, sharing each streamed load
+
+    def __str__(self) -> str:
+        extra = f", {self.splits} splits" if self.variant == "split" else ""
+        extra += f", blocks of {self.row_block} rows" if self.row_block > 1 else ""
+        return f"{self.variant} ({self.lanes} lanes{extra}): {self.reason}"
+
+
+def check_variant(variant: str | None) -> None:
+    """Refuse a variant name no target builds (None: the target's policy picks)."""
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")

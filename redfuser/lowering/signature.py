@@ -1,0 +1,92 @@
+"""A kernel's calling signature: every argument's name, shape and dtype, in argument order.
+
+Inputs come first, sorted by name, each viewed as (R_in, L, F) (``Geometry.inputs``);
+then the outputs in spec order: per-row results (R, width) and per-element outputs
+(R, N, width).  A result's width is k for a top-k, D on the feature axis, else 1; an
+arg-reduction's result is int64.  Every consumer (the PrimFunc builder, ``Kernel``'s
+output allocation, the TensorIR and Relax rewrites) reads the widths from here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from algebra.components import StateKind
+from algebra.laws import LAWS
+from algebra.rule import FusionRule
+
+from .geometry import Geometry, is_vec
+
+F32, I64 = "float32", "int64"
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One kernel argument."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = F32
+    elementwise: bool = False  # a per-element output (R, N, width)
+
+    @property
+    def width(self) -> int:
+        return self.shape[-1]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """The kernel's arguments: ``inputs`` then ``outputs``."""
+
+    inputs: tuple[Arg, ...]
+    outputs: tuple[Arg, ...]
+
+    @property
+    def results(self) -> tuple[Arg, ...]:
+        return tuple(a for a in self.outputs if not a.elementwise)
+
+    @property
+    def elementwise(self) -> tuple[Arg, ...]:
+        return tuple(a for a in self.outputs if a.elementwise)
+
+
+def signature(rule: FusionRule, geo: Geometry) -> Signature:
+    """The arguments of ``rule``'s kernel at ``geo``.
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("moe_routing")
+    >>> sig = signature(rule, shape_geometry(rule, {"x": (4, 256)}))
+    >>> [(a.name, a.shape, a.dtype) for a in sig.outputs]
+    [('p', (4, 8), 'float32'), ('e', (4, 8), 'int64')]
+    """
+    inputs = tuple(Arg(name, (g.count, g.length, g.width)) for name, g in
+                   sorted(geo.inputs.items()))
+    outputs = []
+    for name in rule.outputs:
+        if name in rule.cascade.elementwise:
+            width = geo.d if is_vec(rule.cascade.elementwise[name], set(geo.vec)) else 1
+            outputs.append(Arg(name, (geo.r, geo.n, width), F32, elementwise=True))
+        else:
+            outputs.append(Arg(name, (geo.r, result_width(rule, geo, name)),
+                               result_dtype(rule, name)))
+    return Signature(inputs, tuple(outputs))
+
+
+def result_width(rule: FusionRule, geo: Geometry, name: str) -> int:
+    """Slots of a per-row result: k for a top-k, D on the feature axis, else 1."""
+    shape = rule.cascade.shapes.get(name)
+    return shape.k if shape is not None and shape.k else geo.width(name)
+
+
+def result_dtype(rule: FusionRule, name: str) -> str:
+    """int64 for the result of an arg-reduction (argmax, argtopk, ...), else float32."""
+    red = next((r for r in rule.cascade.reductions if r.name == name), None)
+    return I64 if red is not None and StateKind(LAWS[red.op].returns).is_index else F32
+
+
+def rule_k(rule: FusionRule, name: str) -> int:
+    """k of the top-k component that holds state ``name``."""
+    return next(c.k for c in rule.components for s in c.state if s.symbol.name == name)
