@@ -1,7 +1,7 @@
 """Every TVM import and version-specific name lives here (TVM 0.27: tirx, s_tir, tvm.compile).
 
 The rest of redfuser imports TVM only through this module, so a TVM upgrade touches
-one file.  See shared/TVM-NOTES.md for why each choice is what it is.
+one file.  See docs/TVM-NOTES.md for why each choice is what it is.
 """
 
 from __future__ import annotations

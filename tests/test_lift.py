@@ -119,7 +119,7 @@ def test_split_variant_inside_a_function():
 @pytest.mark.parametrize("name", [*SPECS, "softmax_axis1"])
 def test_fused_topi_ops_build_for_cuda(name):
     fused, rep = fuse(topi_case(name, (4, 64)), target="cuda", report=True)
-    assert rep.groups[0].fused and "block per row" in rep.groups[0].why
+    assert rep.groups[0].fused and "block per row" in rep.groups[0].reason
     build(fused, cuda_target())
 
 
@@ -191,9 +191,9 @@ def test_matmul_before_softmax_stays_and_the_softmax_reads_its_result():
     k = te.placeholder((64, 16), "float32", name="k")
     func = te.create_prim_func([q, k, topi.nn.softmax(topi.nn.matmul(q, k, transpose_b=True))])
     fused, rep = fuse(func, report=True)
-    assert [(g.blocks[0], g.fused) for g in rep.groups] == [
+    assert [(g.values[0], g.fused) for g in rep.groups] == [
         ("T_matmul_NT", False), ("T_softmax_maxelem", True)]
-    assert "single reduction" in rep.groups[0].why
+    assert "single reduction" in rep.groups[0].reason
     assert block_names(fused) == ["T_matmul_NT", "redfuser_T_softmax_maxelem"]
     assert_same_outputs(func, fused)
 
@@ -203,7 +203,7 @@ def test_a_refused_reduction_splits_the_chain():
     func = te.create_prim_func([a, topi.nn.softmax(topi.nn.softmax(a) * 2.0)])
     fused, rep = fuse(func, report=True)
     assert [g.fused for g in rep.groups] == [True, True]
-    assert "are left: NotFusable" in rep.groups[0].why
+    assert "are left: NotFusable" in rep.groups[0].reason
     assert_same_outputs(func, fused)
 
 
@@ -245,8 +245,8 @@ def test_not_fusable_chain_is_reported_and_left_untouched():
     func = relu_chain()
     fused, rep = fuse(func, report=True)
     [entry] = rep.groups
-    assert not entry.fused and entry.blocks == ("m", "r")
-    assert entry.why.startswith("NotFusable: reduction 'r' cannot be fused")
+    assert not entry.fused and entry.values == ("m", "r")
+    assert entry.reason.startswith("NotFusable: reduction 'r' cannot be fused")
     assert structural_equal(fused, func)
 
 
@@ -255,7 +255,7 @@ def test_symbolic_sequence_length_is_skipped_with_the_reason():
     x = te.placeholder((4, n), "float32", name="x")
     func = te.create_prim_func([x, topi.nn.softmax(x)])
     fused, rep = fuse(func, report=True)
-    assert "symbolic shape" in rep.groups[0].why and "specialize" in rep.groups[0].why
+    assert "symbolic shape" in rep.groups[0].reason and "specialize" in rep.groups[0].reason
     assert structural_equal(fused, func)
     specialized = func.specialize({func.params[0]: tirx.decl_buffer((4, 64), "float32", "x")})
     assert fuse(specialized, report=True)[1].groups[0].fused
@@ -289,7 +289,7 @@ def test_bad_input_gets_a_clear_error_or_a_report_entry():
     with pytest.raises(LiftError, match="expected a tvm.tirx.PrimFunc"):
         lift("m = max(x[i])")
     same, rep = fuse(no_blocks, report=True)
-    assert same.same_as(no_blocks) and "no root SBlock" in rep.groups[0].why
+    assert same.same_as(no_blocks) and "no root SBlock" in rep.groups[0].reason
 
 
 def test_float16_blocks_are_reported():
@@ -297,7 +297,7 @@ def test_float16_blocks_are_reported():
     func = te.create_prim_func([x, topi.nn.softmax(x)])
     fused, rep = fuse(func, report=True)
     assert fused.same_as(func) and len(rep.groups) == 2
-    assert all("computes in float16" in g.why for g in rep.groups)
+    assert all("computes in float16" in g.reason for g in rep.groups)
 
 
 def test_unsupported_expression_is_reported():
@@ -318,4 +318,4 @@ def test_a_rewrite_that_computes_something_else_is_rejected(monkeypatch):
     monkeypatch.setattr(rewrite_module, "rewrite_group", lambda f, g, *a: (
         splice(f, g, tirx.Evaluate(tirx.const(0, "int32"))), "empty"))
     fused, rep = fuse(func, report=True, verify=True)
-    assert fused.same_as(func) and "parameter 1 differs" in rep.groups[0].why
+    assert fused.same_as(func) and "parameter 1 differs" in rep.groups[0].reason

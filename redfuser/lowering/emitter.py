@@ -23,13 +23,13 @@ from contextlib import contextmanager
 import sympy as sp
 
 from algebra.components import COUNT, LinearComponent, SelectComponent, primed
-from algebra.functions import Dot
 from algebra.rule import FusionRule
 from algebra.spec import INDEX, LENGTH
 
 from ..tvm_adapter import LEAVES, T, tirx
 from .fastmath import isfinite, statement_lets
-from .geometry import Geometry, component_exprs
+from .geometry import Geometry
+from .invariants import rule_dots, split_invariant
 from .plan import Plan
 from .registers import Const0, States, work, working_anchors
 from .signature import F32, I64
@@ -181,14 +181,8 @@ class Emitter(SelectSteps, SettleSteps):
                 new = self._moved(st, lane, r, comp, moved)
                 self._linear(st, comp, [(lane, old, count)], lane, new, r,
                              self.fresh(comp, r, i, new, dots))
-            elif isinstance(comp, SelectComponent):
-                g = self.expr(comp.core, self.base_lookup(r, i, 0, dots))
-                self._select_insert(st, comp, lane, g, tirx.Cast(I64, i))
             else:
-                name = comp.state[0].symbol.name
-                with self.slots(st.widths[name]) as slot:
-                    st.set(name, lane, st.get(name, lane, slot) *
-                           self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
+                self._fold_other(st, comp, lane, i, r, dots)
         self.hold(st, lane, moved)
 
     def tile_step(self, st: States, comp, lane, i, r, dots=None, basis=None):
@@ -204,14 +198,20 @@ class Emitter(SelectSteps, SettleSteps):
                 for c, value in zip(cols, fresh(slot), strict=True):
                     if c != COUNT.name:
                         st.set(c, lane, st.get(c, lane, slot) + value, slot)
-        elif isinstance(comp, SelectComponent):
+        else:
+            self._fold_other(st, comp, lane, i, r, dots or {})
+
+    def _fold_other(self, st: States, comp, lane, i, r, dots):
+        """Fold element i into a selection (insert it) or a product (multiply it in): the
+        same step inside and outside tiles, since neither is re-anchored."""
+        if isinstance(comp, SelectComponent):
             g = self.expr(comp.core, self.base_lookup(r, i, 0, dots))
             self._select_insert(st, comp, lane, g, tirx.Cast(I64, i))
-        else:
-            name = comp.state[0].symbol.name
-            with self.slots(st.widths[name]) as slot:
-                st.set(name, lane, st.get(name, lane, slot) *
-                       self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
+            return
+        name = comp.state[0].symbol.name
+        with self.slots(st.widths[name]) as slot:
+            st.set(name, lane, st.get(name, lane, slot) *
+                   self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
 
     def fresh(self, comp, r, i, anchors, dots, pre=None):
         """slot -> the element's basis values; parts that are the same for every slot of a
@@ -383,40 +383,3 @@ def _matrix_items(comp):
     """((row, column), entry) of the non-zero entries of a component's matrix."""
     m = comp.matrix
     return [((g, h), m[g, h]) for g in range(m.rows) for h in range(m.cols) if m[g, h] != 0]
-
-
-def split_invariant(exprs, varying: set, per_slot: bool = True):
-    """``exprs`` with their largest parts free of ``varying`` names replaced by fresh
-    symbols; returns (exprs, part -> symbol).  ``per_slot``: a dot product counts as
-    invariant (it is one number per element, whatever its operands carry)."""
-    found: dict[sp.Expr, sp.Symbol] = {}
-    names = _names_outside_dots if per_slot else (lambda e: {s.name for s in e.free_symbols})
-
-    def visit(e):
-        if _hoistable(e, varying, names):
-            return found.setdefault(e, sp.Dummy(f"inv{len(found)}"))
-        return e.func(*[visit(a) for a in e.args]) if e.args else e
-
-    return [visit(e) for e in exprs], found
-
-
-def _hoistable(e: sp.Expr, varying: set, names) -> bool:
-    """Worth computing once outside the loop: not a leaf, no ``varying`` name."""
-    return not (e.is_Atom or e.is_number or isinstance(e, Dot)) and \
-        not (names(e) & varying)
-
-
-def _names_outside_dots(e: sp.Expr) -> set[str]:
-    """Free symbol names of ``e``, except inside dot products (a dot is one number per
-    element: it does not vary over the feature axis its operands carry)."""
-    if isinstance(e, Dot):
-        return set()
-    if e.is_Symbol:
-        return {e.name}
-    return set().union(*(_names_outside_dots(a) for a in e.args)) if e.args else set()
-
-
-def rule_dots(rule: FusionRule) -> list:
-    """Every dot product the rule's components evaluate per element, in a fixed order."""
-    return sorted({d for c in rule.components for e in component_exprs(c)
-                   for d in e.atoms(Dot)}, key=str)

@@ -1,6 +1,6 @@
 """Vectorizable float32 ``exp``, ``log``, ``tanh``, ``sigmoid`` as TIR scalar expressions.
 
-``tirx.exp`` in a ``T.vectorized`` loop becomes one scalar ``expf`` call per lane (shared/
+``tirx.exp`` in a ``T.vectorized`` loop becomes one scalar ``expf`` call per lane (docs/
 TVM-NOTES.md).  These builders use only arithmetic, comparisons, ``Select``, ``floor`` and
 bit reinterpretation, so LLVM emits plain vector code with no libm calls.  Each takes a
 float32 ``PrimExpr`` (or a Python number) and returns one; intermediates are bound with

@@ -12,9 +12,9 @@ and its reason recorded; ``pass_obj.report`` is the ``FuseReport`` of the last r
 True
 """
 
+from ..report import FuseReport, GroupReport
 from .driver import FuseCascadedReductions, fuse_module
 from .pipeline import build, cpu_pipeline, run
-from .report import FuseReport, GroupReport
 
 __all__ = ["FuseCascadedReductions", "FuseReport", "GroupReport", "build", "cpu_pipeline",
            "fuse_module", "run"]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from ..report import FuseReport, GroupReport
 from ..tvm_adapter import IRModule, current_target_kind, module_pass, relax
 from .frag import Unliftable
-from .group import Group, form_groups
+from .group import BindingGroup, form_groups
 from .lift import Lifter
-from .report import FuseReport, GroupReport
 from .rewrite import check_kernel, derive_spec, kernel_for, splice
 
 ROUNDS = 4  # lift again with more matmuls kept outside, at most this often per block
@@ -54,7 +54,7 @@ def _fuse_block(mod: IRModule, gv, func, index: int, options: tuple, entries: li
     try:
         lifter, groups = plan_block(func, func.body.blocks[index])
     except Exception as e:  # noqa: BLE001 - an analysis failure leaves the block alone
-        entries.append(GroupReport(_name(gv), (), (), "skipped",
+        entries.append(GroupReport(_name(gv), (), False,
                                    f"block {index} not analysed: {type(e).__name__}: {e}"))
         return mod
     entries += _unlifted(_name(gv), lifter)
@@ -64,7 +64,7 @@ def _fuse_block(mod: IRModule, gv, func, index: int, options: tuple, entries: li
     return mod
 
 
-def plan_block(func, block) -> tuple[Lifter, list[Group]]:
+def plan_block(func, block) -> tuple[Lifter, list[BindingGroup]]:
     """Lift and group; inlined matmuls that a per-element output would recompute, or that
     keep a group from being derived, are kept as matmuls and the block is lifted again."""
     keep = frozenset()
@@ -81,7 +81,7 @@ def plan_block(func, block) -> tuple[Lifter, list[Group]]:
     return lifter, groups
 
 
-def apply_group(mod: IRModule, gv, index: int, group: Group, check_build: bool = True,
+def apply_group(mod: IRModule, gv, index: int, group: BindingGroup, check_build: bool = True,
                 refuse: str = ""):
     """Splice one group into a copy of ``mod``; the copy is returned only if it checks.
     ``refuse``: a reason to report the group skipped without trying (e.g. the target)."""
@@ -89,7 +89,7 @@ def apply_group(mod: IRModule, gv, index: int, group: Group, check_build: bool =
     entry = dict(function=fname, values=group.values, ops=group.ops, spec=group.spec)
     rule, reason = (None, refuse) if refuse else derive_spec(group.spec)
     if rule is None:
-        return mod, GroupReport(status="skipped", reason=reason, **entry)
+        return mod, GroupReport(fused=False, reason=reason, **entry)
     name = _fresh(mod, f"redfuser_{fname}")
     try:
         kernel = kernel_for(group, rule, name)
@@ -101,13 +101,11 @@ def apply_group(mod: IRModule, gv, index: int, group: Group, check_build: bool =
         candidate = bb.get()
         relax.analysis.well_formed(candidate)
     except Unliftable as e:
-        return mod, GroupReport(status="skipped", reason=str(e), **entry)
+        return mod, GroupReport(fused=False, reason=str(e), **entry)
     except Exception as e:  # noqa: BLE001 - a TVM error keeps the original, with the reason
         first = str(e).strip().splitlines()[-1:] or [""]
-        return mod, GroupReport(status="skipped", reason=f"{type(e).__name__}: {first[0]}",
-                                **entry)
-    return candidate, GroupReport(status="fused", reason=str(kernel.plan), kernel=name,
-                                  **entry)
+        return mod, GroupReport(fused=False, reason=f"{type(e).__name__}: {first[0]}", **entry)
+    return candidate, GroupReport(fused=True, reason=str(kernel.plan), kernel=name, **entry)
 
 
 def _unlifted(fname: str, lifter: Lifter) -> list[GroupReport]:
@@ -115,8 +113,7 @@ def _unlifted(fname: str, lifter: Lifter) -> list[GroupReport]:
     out = []
     for var, (op, reason) in lifter.failures.items():
         if op in CASCADE_OPS or "symbolic" in reason:
-            out.append(GroupReport(fname, (var.name,), (f"{op} {var.name}",), "skipped",
-                                   reason))
+            out.append(GroupReport(fname, (var.name,), False, reason, (f"{op} {var.name}",)))
     return out
 
 

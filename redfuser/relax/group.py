@@ -18,7 +18,7 @@ from .lift import Lifter
 
 
 @dataclass
-class Group:
+class BindingGroup:
     """One candidate kernel: its fragment, the Relax values it replaces, and its spec."""
 
     frag: Frag
@@ -50,9 +50,9 @@ def sinks(lf: Lifter) -> list:
             and any((r, v) not in lf.absorbed for r in readers.get(v, []))]
 
 
-def form_groups(lf: Lifter) -> list[Group]:
+def form_groups(lf: Lifter) -> list[BindingGroup]:
     """Sinks sharing a reduction, one group per frame that holds them all."""
-    groups: list[Group] = []
+    groups: list[BindingGroup] = []
     for var, node in sinks(lf):
         reds = _reductions(node.frag)
         for g in groups:
@@ -64,7 +64,7 @@ def form_groups(lf: Lifter) -> list[Group]:
                 g.sinks.append((var, node))
                 break
         else:
-            groups.append(Group(node.frag, [(var, node)]))
+            groups.append(BindingGroup(node.frag, [(var, node)]))
     for g in groups:
         _write_spec(g)
     return [g for g in groups if is_cascade(g)]
@@ -74,7 +74,7 @@ def _reductions(frag: Frag) -> set[str]:
     return {name for name, s in frag.stmts.items() if s.kind == "red"}
 
 
-def _write_spec(g: Group):
+def _write_spec(g: BindingGroup):
     """The spec text: needed statements in order, then one line per per-element output."""
     lines, reads, dots = [], set(), frozenset()
     for var, node in g.sinks:
@@ -94,7 +94,7 @@ def _write_spec(g: Group):
     g.spec = "\n".join([f"{s.name} = {s.text}" for s in g.needed] + list(dict.fromkeys(lines)))
 
 
-def is_cascade(g: Group) -> bool:
+def is_cascade(g: BindingGroup) -> bool:
     """Does a reduction, or a per-element value that is output, read an earlier result?"""
     stmts = {s.name: s for s in g.needed}
     results = {s.name for s in g.needed if s.kind != "let"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..report import FuseReport
 from ..tvm_adapter import (
     IRModule,
     Sequential,
@@ -23,7 +24,6 @@ from ..tvm_adapter import (
 )
 from ..tvm_adapter import build_relax as _build_relax
 from .driver import FuseCascadedReductions
-from .report import FuseReport
 
 
 def cpu_pipeline():

@@ -20,7 +20,7 @@ from algebra.layout import Layout
 from ..lowering import build_primfunc, choose, geometry, signature
 from ..tvm_adapter import build, cpu_target, relax, with_root_block
 from .frag import Unliftable
-from .group import Group
+from .group import BindingGroup
 from .values import static_shape
 
 
@@ -37,7 +37,7 @@ def derive_spec(spec: str) -> tuple:
 
 
 @dataclass(frozen=True)
-class Kernel:
+class FusedFunc:
     """A fused PrimFunc and how a Relax call reaches it."""
 
     name: str
@@ -47,7 +47,7 @@ class Kernel:
     plan: object
 
 
-def kernel_for(group: Group, rule, name: str) -> Kernel:
+def kernel_for(group: BindingGroup, rule, name: str) -> FusedFunc:
     """The PrimFunc of ``rule`` on the group's shapes (the array convention of layout.py)."""
     frag = group.frag
     names = sorted(s.name for s in (*rule.cascade.streams, *rule.cascade.params))
@@ -64,7 +64,7 @@ def kernel_for(group: Group, rule, name: str) -> Kernel:
     inputs = tuple((nm, frag.inputs[nm], (g.count, g.length, g.width))
                    for nm, g in sorted(geo.inputs.items()))
     outputs = tuple((a.name, a.shape, a.dtype) for a in signature(rule, geo).outputs)
-    return Kernel(name, func, inputs, outputs, plan)
+    return FusedFunc(name, func, inputs, outputs, plan)
 
 
 def _relax_callee(func):
@@ -75,12 +75,12 @@ def _relax_callee(func):
     return func.with_attr("tirx.is_scheduled", True).with_attr("op_pattern", 8)
 
 
-def check_kernel(kernel: Kernel):
+def check_kernel(kernel: FusedFunc):
     """Compile the PrimFunc alone: a kernel TVM cannot build never enters the module."""
     build(kernel.func, cpu_target())
 
 
-def splice(func, block_index: int, group: Group, gv, kernel: Kernel):
+def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
     """``func`` with the group's values computed by one call of ``gv``."""
     block = func.body.blocks[block_index]
     bb, new = relax.BlockBuilder(), []

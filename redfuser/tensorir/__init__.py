@@ -7,9 +7,10 @@ over the original buffers, spliced into the function), ``rewrite`` (``fuse``, ch
 report).  Analysis returns frozen data; only ``emit`` and ``rewrite`` build IR.
 """
 
+from ..report import FuseReport, GroupReport
 from .axes import Access, Frame
 from .expr import LiftError
 from .groups import Group, lift
-from .rewrite import FuseReport, GroupReport, fuse
+from .rewrite import fuse
 
 __all__ = ["Access", "Frame", "FuseReport", "Group", "GroupReport", "LiftError", "fuse", "lift"]

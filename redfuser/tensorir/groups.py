@@ -41,7 +41,7 @@ DATA_PAR, COMM_REDUCE = 0, 2  # IterVar kinds
 
 
 @dataclass(frozen=True)
-class Block:
+class LiftedBlock:
     """A liftable block: ``out[store] = value`` (or ``out[store] = op(out[store], value)``)."""
 
     pos: int
@@ -60,7 +60,7 @@ class Unit:
 
     pos: int
     stmt: object
-    block: Block | None
+    block: LiftedBlock | None
     reads: frozenset
     writes: frozenset
     why: str = ""
@@ -209,7 +209,7 @@ def _accesses(stmt) -> tuple[frozenset, frozenset]:
     return frozenset(seen | loads | stores), frozenset(stores | (seen - loads - stores))
 
 
-def _block(pos: int, stmt) -> Block:
+def _block(pos: int, stmt) -> LiftedBlock:
     """The block of a perfect loop nest, if its update is liftable (else LiftError)."""
     loops = {}
     while isinstance(stmt, tirx.For):
@@ -237,9 +237,9 @@ def _block(pos: int, stmt) -> Block:
     if reduce_var is None:
         if blk.init is not None or _reads(store.value, store.buffer):
             raise LiftError(f"{where} reads what it writes")
-        return Block(pos, blk.name_hint, store.buffer, terms, store.value, extents)
+        return LiftedBlock(pos, blk.name_hint, store.buffer, terms, store.value, extents)
     op, value = _combiner(blk, store, where)
-    return Block(pos, blk.name_hint, store.buffer, terms, value, extents, reduce_var, op)
+    return LiftedBlock(pos, blk.name_hint, store.buffer, terms, value, extents, reduce_var, op)
 
 
 def _iter_vars(blk, values, loops: dict, where: str) -> tuple[dict, object]:

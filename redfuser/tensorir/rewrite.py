@@ -11,52 +11,16 @@ was and gets a report entry with the reason.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from ..tvm_adapter import build, cpu_target, cuda_target, tirx, tvm, verify_sblock_func
+from ..lowering import backend
+from ..report import FuseReport, GroupReport
+from ..tvm_adapter import build, cpu_target, tirx, tvm, verify_sblock_func
 from .emit import rewrite_group
 from .groups import Group, LiftError, lift
 
 TARGET_KINDS = {"cpu": "cpu", "llvm": "cpu", "c": "cpu", "cuda": "cuda"}
 MAX_GROUPS = 64  # per function: a bound on the lift-rewrite loop
-
-
-@dataclass(frozen=True)
-class GroupReport:
-    """One group found: ``fused`` or not, and ``why`` (the kernel plan, or the reason)."""
-
-    function: str
-    blocks: tuple[str, ...]
-    fused: bool
-    why: str
-    spec: str | None = None
-
-    def __str__(self) -> str:
-        what = "fused" if self.fused else "left unchanged"
-        blocks = ", ".join(self.blocks) or "(whole function)"
-        return f"{self.function}: {what}: {blocks}\n    {self.why}"
-
-
-@dataclass(frozen=True)
-class FuseReport:
-    """What ``fuse`` found and did, one entry per group (fused or not) in program order."""
-
-    groups: tuple[GroupReport, ...] = ()
-
-    @property
-    def fused(self) -> tuple[GroupReport, ...]:
-        return tuple(g for g in self.groups if g.fused)
-
-    @property
-    def skipped(self) -> tuple[GroupReport, ...]:
-        return tuple(g for g in self.groups if not g.fused)
-
-    def __str__(self) -> str:
-        if not self.groups:
-            return "no reduction blocks found"
-        return "\n".join(str(g) for g in self.groups)
 
 
 def fuse(obj, target: str | dict = "cpu", *, report: bool = False, fast_math: bool = True,
@@ -74,7 +38,7 @@ def fuse(obj, target: str | dict = "cpu", *, report: bool = False, fast_math: bo
     report : bool
         Also return a ``FuseReport`` (every group found, fused or not, and why).
     fast_math : bool
-        Polynomial exp/log in the kernels (see ``redfuser.fastmath``).
+        Polynomial exp/log in the kernels (see ``redfuser.lowering.fastmath``).
     verify : bool
         Besides well-formedness, build every rewritten function and, for the CPU, run it
         against the original on random inputs; a mismatch keeps the original.
@@ -94,7 +58,7 @@ def fuse(obj, target: str | dict = "cpu", *, report: bool = False, fast_math: bo
     T_softmax_maxelem = max(x[i])
     T_softmax_expsum = sum(exp(x[i] - T_softmax_maxelem))
     T_softmax_norm[i] = exp(x[i] - T_softmax_maxelem)/T_softmax_expsum
-    >>> rep.groups[0].fused, len(rep.fused)
+    >>> rep.groups[0].fused, rep.fused
     (True, 1)
     """
     kind = _target_kind(target)
@@ -140,7 +104,7 @@ def _fuse_func(func, name, target, fast_math, verify) -> tuple:
         tried.add(group.blocks)
         new, why = _try(current, group, target, fast_math, verify)
         entries.append(GroupReport(group.function, group.blocks, new is not None, why,
-                                   group.spec))
+                                   spec=group.spec or ""))
         current = new if new is not None else current
     return current, entries
 
@@ -166,13 +130,14 @@ def _verify(func, new, target: str) -> str:
     problem = check_build(new, target)
     if problem and check_build(func, target):
         return ""
-    return problem or (check_numeric(func, new) if target == "cpu" else "")
+    # numbers can be compared only where the kernel runs here (host memory: the CPU)
+    return problem or (check_numeric(func, new) if backend(target).host_memory else "")
 
 
 def check_build(func, target: str) -> str:
     """'' when ``func`` compiles for ``target`` ("cpu" or "cuda"), else the error."""
     try:
-        build(func, cpu_target() if target == "cpu" else cuda_target())
+        build(func, backend(target).tvm_target())
     except Exception as e:  # noqa: BLE001 - TVM raises its own error classes
         return f"build for {target} failed: {type(e).__name__}: {str(e).strip()[-300:]}"
     return ""

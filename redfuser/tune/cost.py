@@ -31,6 +31,7 @@ from algebra.functions import Dot
 
 from ..lowering import Geometry, Plan, signature
 from ..lowering.cpu.plan import LANES
+from ..lowering.cuda.plan import SMS
 from .machine import Machine
 from .work import RuleWork, Work, rule_work
 
@@ -210,7 +211,7 @@ def _serial(work: Work, d: int, m: Machine) -> float:
         max(d, VECTOR)
 
 
-SMS, SM_THREADS, SYNC_S = 132, 2048, 2e-8  # H100/H200: SMs, resident threads, one barrier
+SM_THREADS, SYNC_S = 2048, 2e-8  # H100/H200: resident threads per SM, one barrier (s)
 
 
 def _predict_cuda(rule, geo: Geometry, plan: Plan, m: Machine, w: RuleWork) -> Estimate:

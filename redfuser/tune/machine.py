@@ -161,10 +161,10 @@ def measure_cpu(name: str) -> Machine:
     noise drove below a quarter of its nominal value is floored there (a difference of two
     noisy times can even come out negative)."""
     threads = default_threads()
-    launch = _time("s = sum(x[i])", {"x": (threads, 64)}, 16) / 1e3
+    launch = _time("s = sum(x[i])", {"x": (threads, 64)}, LANES) / 1e3
     bandwidth = []
     for nbytes, rows in BANDWIDTH_POINTS:
-        seconds = _time("s = sum(x[i])", {"x": (rows, nbytes // 4 // rows)}, 16) / 1e3 - launch
+        seconds = _time("s = sum(x[i])", {"x": (rows, nbytes // 4 // rows)}, LANES) / 1e3 - launch
         bandwidth.append((float(nbytes), nbytes / max(seconds, 1e-9)))
     out = _arithmetic(threads)
     r, n, d = WIDE_SHAPE

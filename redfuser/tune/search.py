@@ -5,7 +5,7 @@ the fastest, remember it.
 each with ``cost.predict`` on this machine's figures, builds and times the ``top``
 predicted candidates, the best predicted of each other variant (rolling, split,
 unfused: a wrong variant call by the model gets caught) and the hand-written plan
-(``plan.choose``; it stays unless a candidate beats it by ``MARGIN``, so a tuned kernel
+(``lowering.choose``; it stays unless a candidate beats it by ``MARGIN``, so a tuned kernel
 is never slower than the untuned one by more than the noise), ``rounds`` times each,
 interleaved (a burst of noise on a shared machine hits every candidate alike), and
 keeps each candidate's best median.  The winner is stored in the tuning database

@@ -118,8 +118,7 @@ def space(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
     threads = threads or default_threads()
     table = PARAMS[target]
     found = {v: table(rule, geo, v, threads) for v in variants}
-    default = choose(rule, geo, target=target, fast_math=fast_math,
-                     threads=None if target == "cuda" else threads)
+    default = choose(rule, geo, target=target, fast_math=fast_math, threads=threads)
     keep = default.variant in variants
     return Space(target, geo, {v: p for v, p in found.items() if p is not None}, fast_math,
                  dataclasses.replace(default, reason="hand-written") if keep else None)

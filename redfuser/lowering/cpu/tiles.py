@@ -23,7 +23,8 @@ from algebra.components import COUNT, LinearComponent
 from algebra.rule import FusionRule
 
 from ...tvm_adapter import T, tirx
-from ..emitter import Emitter, rule_dots, split_invariant
+from ..emitter import Emitter
+from ..invariants import rule_dots, split_invariant
 from ..registers import Const0, States
 from ..signature import F32
 from .plan import LANES
