@@ -66,6 +66,9 @@ def cuda_device_name() -> str | None:
 # Kernel buffers are declared 16-byte aligned (numpy's guarantee for float arrays), so numpy
 # inputs pass without a copy; TVM's own default (64) would force a copy of most of them.
 ALIGNMENT = 16
+# What code TVM compiles itself (a Relax executable's kernels) assumes of every tensor: handing
+# it numpy's 16-byte aligned memory segfaults when the address is 16, 32 or 48 mod 64.
+TVM_ALIGNMENT = 64
 
 
 def arg_buffer(name: str, shape: tuple, dtype: str = "float32"):
@@ -75,25 +78,27 @@ def arg_buffer(name: str, shape: tuple, dtype: str = "float32"):
     return T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=ALIGNMENT)
 
 
-def empty_aligned(shape: tuple, dtype) -> np.ndarray:
-    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary."""
+def empty_aligned(shape: tuple, dtype, align: int = ALIGNMENT) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on an ``align``-byte boundary."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = (-raw.ctypes.data) % ALIGNMENT
+    raw = np.empty(nbytes + align, np.uint8)
+    start = (-raw.ctypes.data) % align
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def from_numpy(array: np.ndarray, dev=None):
+def from_numpy(array: np.ndarray, dev=None, align: int = ALIGNMENT):
     """A TVM tensor over a numpy array: zero-copy through DLPack when it is C-contiguous,
-    writeable and ALIGNMENT-aligned (numpy's arrays are); otherwise an aligned copy."""
+    writeable and ``align``-aligned; otherwise an aligned copy.  redfuser's kernels need
+    ALIGNMENT (numpy's arrays have it); code TVM compiled itself needs TVM_ALIGNMENT."""
     if dev is None or dev.dlpack_device_type() == tvm.cpu(0).dlpack_device_type():
-        if not (array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0
+        array = np.asarray(array)
+        if not (array.flags.c_contiguous and array.ctypes.data % align == 0
                 and array.flags.writeable):
-            aligned = empty_aligned(array.shape, array.dtype)
+            aligned = empty_aligned(array.shape, array.dtype, align)
             np.copyto(aligned, array)
             array = aligned
-        return tvm_ffi.from_dlpack(array, require_alignment=ALIGNMENT, require_contiguous=True)
+        return tvm_ffi.from_dlpack(array, require_alignment=align, require_contiguous=True)
     return tvm.runtime.tensor(np.ascontiguousarray(array), dev)
 
 
@@ -150,6 +155,11 @@ def build_relax(mod: IRModule, pipeline, target: dict):
     dlight needs) for ``target``; returns the VM executable."""
     with tvm.target.Target(target):
         return tvm.compile(mod, target=tvm.target.Target(target), relax_pipeline=pipeline)
+
+
+def relax_tensor(array: np.ndarray):
+    """A host tensor a Relax executable may read: TVM_ALIGNMENT-aligned (copied if not)."""
+    return from_numpy(np.ascontiguousarray(array), align=TVM_ALIGNMENT)
 
 
 def relax_vm(executable, dev=None):

@@ -254,3 +254,23 @@ def test_real_model_matches_pytorch(example):
     assert report.found == report.fused == example.cascades, str(report)
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, **TOL)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_run_takes_numpy_arrays_at_any_16_byte_alignment(fused):
+    """Regression (shared repro relax_run_segfault.py): TVM's own kernels in a Relax
+    executable assume 64-byte aligned tensors; ``run`` used to hand over numpy's memory as
+    it was and crashed the interpreter at addresses 16, 32 or 48 mod 64."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64, 1024), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.softmax(x))
+        bb.emit_func_output(y)
+    executable, _ = build(bb.get(), fuse=fused)
+    raw = np.random.default_rng(0).normal(size=64 * 1024 + 16).astype(np.float32)
+    for offset in range(4):  # 0, 16, 32 and 48 bytes past wherever raw starts
+        a = raw[4 * offset:4 * offset + 64 * 1024].reshape(64, 1024)
+        out = run(executable, a)
+        ref = np.exp(a - a.max(1, keepdims=True))
+        np.testing.assert_allclose(out, ref / ref.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)

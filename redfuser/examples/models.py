@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..relax import build, run
-from ..tvm_adapter import cpu_target, device, from_numpy, import_torch, relax_vm
+from ..tvm_adapter import cpu_target, device, import_torch, relax_tensor, relax_vm
 
 
 class GPT2Block(nn.Module):
@@ -182,7 +182,7 @@ def evaluate(example: Example, timing: bool = True, repeat: int = 20) -> Result:
 def _median_ms(executable, arrays, repeat: int) -> float:
     vm = relax_vm(executable)
     timer = vm.time_evaluator("main", device(cpu_target()), number=5, repeat=repeat)
-    return float(timer(*[from_numpy(np.ascontiguousarray(a)) for a in arrays]).median) * 1e3
+    return float(timer(*[relax_tensor(a) for a in arrays]).median) * 1e3
 
 
 def table(results: list[Result]) -> str:

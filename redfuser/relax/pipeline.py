@@ -9,17 +9,15 @@ the default build.  With ``fuse=True`` FuseCascadedReductions runs first.
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..report import FuseReport
 from ..tvm_adapter import (
     IRModule,
     Sequential,
     cpu_target,
     dlight,
-    from_numpy,
     module_pass,
     relax,
+    relax_tensor,
     relax_vm,
 )
 from ..tvm_adapter import build_relax as _build_relax
@@ -92,7 +90,7 @@ def run(executable, *args, func: str = "main"):
     """Call ``func`` of a built module on numpy arrays; results as numpy (nested like the
     Relax result: a tuple gives a list)."""
     vm = relax_vm(executable)
-    out = vm[func](*[from_numpy(np.ascontiguousarray(a)) for a in args])
+    out = vm[func](*[relax_tensor(a) for a in args])
     return _to_numpy(out)
 
 
