@@ -23,6 +23,7 @@ INDEX, LENGTH = "i", "N"  # the stream index and the stream length
 N = sp.Symbol(LENGTH, positive=True, integer=True)
 POSITION = sp.Symbol(INDEX, nonnegative=True, integer=True)
 CONSTANTS = {"pi": sp.pi, "inf": sp.oo}
+OUT = "out"  # kernels take their preallocated outputs as out=: no input may be named so
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class _Lifter:
         per_element = isinstance(stmt.targets[0], ast.Subscript)
         if per_element:
             _index_of(stmt.targets[0])
-        if name in (INDEX, LENGTH) or name in CONSTANTS:
+        if name in (INDEX, LENGTH, OUT) or name in CONSTANTS:
             _fail(stmt, f"'{name}' is reserved and cannot be assigned")
         if name in self.defined or name in self.elementwise:
             _fail(stmt, f"'{name}' is assigned twice")
@@ -319,6 +320,8 @@ class _Lifter:
                             "each other" if name != self.target else
                             f"cycle: '{name}' is defined in terms of itself")
             _fail(node, f"'{name}' is used before its definition on line {later.lineno}")
+        if name == OUT:
+            _fail(node, f"'{OUT}' is reserved (kernels take preallocated outputs as {OUT}=)")
         kind = "stream" if subscripted else "param"
         if self.kind.setdefault(name, kind) != kind:
             _fail(node, f"'{name}' is used both as a stream ({name}[i]) and as a per-row "

@@ -5,8 +5,10 @@ numpy (attention's K and V of shape (H, 1, N, D) are read once per head, never
 copied per query), streams (*rows, N[, D]), parameters scalars or (*rows[, D]);
 outputs (*rows[, D or k]) and per-element outputs (*rows, N[, D]).  Inputs are
 passed to TVM without a copy when they are float32 and contiguous (numpy arrays or
-any DLPack tensor such as torch's).  Kernels are specialised per shape: the first
-call with a new geometry compiles (tens of milliseconds), later calls hit a cache.
+any DLPack tensor such as torch's), and outputs are views of the buffers the kernel
+wrote, of the inputs' kind (``call.py``); ``out=`` takes preallocated ones.  Kernels
+are specialised per input signature: the first call with new shapes compiles (tens of
+milliseconds), later calls only look the signature up (``CallPlan``).
 The plan of a new geometry comes from the tuning database when it has one (``tune``:
 None reads it, True also searches a missing shape, "model" takes the cost model's first
 choice for a missing shape without measuring, False ignores the database;
@@ -16,20 +18,36 @@ choice for a missing shape without measuring, False ignores the database;
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from numbers import Number
 
 import numpy as np
 
 from algebra import FusionRule, derive
-from algebra.layout import resolve, to_user
+from algebra.layout import resolve
 
-from .lowering import FUNC_NAME, Geometry, Plan, backend, choose, geometry
+from .call import (
+    CallPlan,
+    call_plan,
+    framework_of,
+    in_kind,
+    input_arrays,
+    input_key,
+    output_arrays,
+)
+from .lowering import Geometry, Plan, backend, choose, geometry
 from .lowering.plan import check_variant
-from .runtime import Built, allocate_outputs, build, input_tensors, random_inputs, time_built
+from .runtime import Built, allocate_outputs, build, random_inputs, time_built
+from .runtime import input_tensors as layout_tensors
 from .tune.search import model_plan, tuned_plan
 from .tvm_adapter import cuda_source, from_numpy
 
 TUNE_MODES = (None, True, False, "model")
+# Executables a Kernel keeps (least recently used evicted): each holds ~1.6 MB of JIT code
+# (80 softmax shapes: +128 MB), and a recompile costs ~0.2 s.  32 holds a model's few
+# shapes plus one schedule search's candidates (top 4, one per variant, the hand-written
+# plan), which are timed in interleaved rounds and must not evict each other.
+MAX_CACHED = 32
 
 
 def compile(rule_or_spec: FusionRule | str, target: str = "cpu", **options) -> Kernel:  # noqa: A001
@@ -89,7 +107,8 @@ class Kernel:
         self.rule, self.target, self.tune, self.fixed_plan = rule, target, tune, plan
         self.options = {"variant": variant, "splits": splits, "fast_math": fast_math,
                         "threads": threads}
-        self._cache: dict[tuple, Built] = {}
+        self._cache: OrderedDict[tuple, Built] = OrderedDict()  # (geometry, plan): LRU
+        self._calls: OrderedDict[tuple, CallPlan] = OrderedDict()  # input signature: LRU
         self._last: Built | None = None
 
     # Step 1. Check the inputs ---------------------------------------------------------
@@ -127,6 +146,8 @@ class Kernel:
         key = (geo.key(), plan)
         if key not in self._cache:
             self._cache[key] = build(self.rule, geo, plan, self.target)
+            _evict(self._cache)
+        self._cache.move_to_end(key)
         self._last = self._cache[key]
         return self._last
 
@@ -150,22 +171,44 @@ class Kernel:
         return self._hand_written(geo), False
 
     # Step 3. Run ----------------------------------------------------------------------
-    def __call__(self, **inputs) -> dict[str, np.ndarray]:
+    def __call__(self, out: dict | None = None, **inputs) -> dict:
+        """Run on ``inputs``; ``out`` maps output names to preallocated arrays (written in
+        place and returned as they are)."""
+        key = input_key(inputs)
+        plan = self._calls.get(key)
+        if plan is None:
+            plan = self._new_call(key, inputs)
+        self._calls.move_to_end(key)
+        self._last = plan.built
+        if not self.backend.host_memory:
+            return self._on_device(plan, inputs, out)
+        layout = None if plan.direct else self._layout(inputs)
+        users, tensors = output_arrays(plan, out)
+        plan.func(*input_arrays(plan, inputs, layout), *tensors)
+        return in_kind(users, out, framework_of(inputs))
+
+    def _new_call(self, key: tuple, inputs: dict) -> CallPlan:
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
-        built = self._compiled(geo)
-        dev = built.device()
-        if not self.backend.host_memory and not dev.exist:
+        plan = call_plan(self.rule, layout, geo, self._compiled(geo), key)
+        self._calls[key] = plan
+        _evict(self._calls)
+        return plan
+
+    def _on_device(self, plan: CallPlan, inputs: dict, out: dict | None) -> dict:
+        """A device kernel: inputs copied over, results copied back into host arrays."""
+        dev = plan.built.device()
+        if not dev.exist:
             raise RuntimeError(f"no {self.target} device here: use kernel.prepare(...) and "
                                "kernel.primfunc / kernel.cuda_source() to inspect the code")
-        args = input_tensors(layout, geo, dev)
-        outs = allocate_outputs(self.rule, geo)
-        tensors = [from_numpy(o, dev) for o in outs.values()]
-        built.executable[FUNC_NAME](*args, *tensors)
-        if not self.backend.host_memory:  # device results come back by copy
-            outs = {k: t.numpy() for k, t in zip(outs, tensors, strict=True)}
-        values = {k: _canonical(self.rule, geo, k, v) for k, v in outs.items()}
-        return to_user(self.rule.cascade, layout, values)
+        layout = self._layout(inputs)
+        users, _ = output_arrays(plan, out)
+        tensors = [from_numpy(np.asarray(users[o.name]).reshape(o.kernel_shape), dev)
+                   for o in plan.outputs]
+        plan.func(*layout_tensors(layout, plan.geo, dev), *tensors)
+        for o, t in zip(plan.outputs, tensors, strict=True):
+            np.copyto(np.asarray(users[o.name]).reshape(o.kernel_shape), t.numpy())
+        return in_kind(users, out, framework_of(inputs))
 
     def time(self, repeat: int = 5, **inputs) -> float:
         """Median milliseconds of the kernel alone on ``inputs`` (inputs and outputs already on
@@ -173,7 +216,7 @@ class Kernel:
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
         built = self._compiled(geo)
-        args = input_tensors(layout, geo, built.device())
+        args = layout_tensors(layout, geo, built.device())
         return time_built(built, args + list(allocate_outputs(self.rule, geo).values()), repeat)
 
     def time_plan(self, geo: Geometry, plan: Plan, repeat: int = 5, seed: int = 0) -> float:
@@ -212,11 +255,6 @@ class Kernel:
         return self
 
 
-def _canonical(rule, geo: Geometry, name: str, v: np.ndarray) -> np.ndarray:
-    rows = geo.rows
-    if name in rule.cascade.elementwise:
-        return v.reshape(rows + v.shape[1:])
-    shape = rule.cascade.shapes.get(name)
-    if shape is not None and shape.k:
-        return v.reshape(rows + (v.shape[1], 1))
-    return v.reshape(rows + (1, v.shape[1]))
+def _evict(cache: OrderedDict) -> None:
+    while len(cache) > MAX_CACHED:
+        cache.popitem(last=False)

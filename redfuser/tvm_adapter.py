@@ -6,6 +6,7 @@ one file.  See docs/TVM-NOTES.md for why each choice is what it is.
 
 from __future__ import annotations
 
+import math
 import os
 from functools import lru_cache
 
@@ -27,7 +28,8 @@ LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
 __all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "arg_buffer", "build", "cpu_target",
            "cuda_device_name", "cuda_source", "cuda_target", "default_threads", "device",
-           "empty_aligned", "from_numpy", "nvcc_compile", "structural_equal", "time_ms", "tirx"]
+           "empty_aligned", "from_dlpack", "from_numpy", "nvcc_compile", "structural_equal",
+           "time_ms", "tirx"]
 
 
 def default_threads() -> int:
@@ -81,7 +83,7 @@ def arg_buffer(name: str, shape: tuple, dtype: str = "float32"):
 def empty_aligned(shape: tuple, dtype, align: int = ALIGNMENT) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on an ``align``-byte boundary."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + align, np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start:start + nbytes].view(dtype).reshape(shape)
@@ -100,6 +102,17 @@ def from_numpy(array: np.ndarray, dev=None, align: int = ALIGNMENT):
             array = aligned
         return tvm_ffi.from_dlpack(array, require_alignment=align, require_contiguous=True)
     return tvm.runtime.tensor(np.ascontiguousarray(array), dev)
+
+
+def from_dlpack(tensor):
+    """A TVM tensor over a host array (numpy's, or any DLPack tensor such as torch's):
+    zero-copy when it is contiguous and ALIGNMENT-aligned, else an aligned numpy copy.  TVM
+    never checks at call time the alignment a kernel was compiled for (a misaligned view
+    would fault or misread), so every input goes through here."""
+    try:
+        return tvm_ffi.from_dlpack(tensor, require_alignment=ALIGNMENT, require_contiguous=True)
+    except (ValueError, RuntimeError, TypeError):  # misaligned or strided: copy once
+        return from_numpy(np.from_dlpack(tensor))
 
 
 def time_ms(executable, name: str, dev, args, repeat: int = 5) -> float:

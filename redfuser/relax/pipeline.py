@@ -66,6 +66,7 @@ def build(mod: IRModule, fuse: bool = True):
 
     Examples
     --------
+    >>> import numpy as np
     >>> from redfuser.tvm_adapter import relax
     >>> bb = relax.BlockBuilder()
     >>> x = relax.Var("x", relax.TensorType((4, 32), "float32"))

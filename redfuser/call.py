@@ -1,0 +1,193 @@
+"""The call path of a ``Kernel``: one ``CallPlan`` per input signature, then a thin loop.
+
+Everything that depends only on the inputs' kinds, shapes and dtypes (the layout check,
+the geometry, the plan, the compiled function, every argument's kernel shape and every
+output's user shape) is worked out on the first call with that signature and looked up
+afterwards.  A call then reshapes each input to its kernel view (no copy), hands it to TVM
+through DLPack, and returns views of the buffers the kernel wrote: numpy in gives numpy
+out, a DLPack tensor (torch) in gives the same framework's tensors out, zero-copy.
+``out=`` supplies preallocated outputs; they are checked once per signature, and a wrong
+shape, dtype, alignment or layout is a clear error naming the output.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from math import prod
+from numbers import Number
+
+import numpy as np
+
+from algebra.layout import Layout, vector_results
+from algebra.rule import FusionRule
+from algebra.spec import LENGTH
+
+from .lowering import FUNC_NAME, Geometry, signature
+from .runtime import Built
+from .tvm_adapter import ALIGNMENT, empty_aligned, from_dlpack
+
+F32 = np.dtype(np.float32)
+
+
+def input_key(inputs: dict) -> tuple:
+    """What a call's plan depends on: per input, a number or (shape, dtype, contiguous, type);
+    the stream length ``N`` (given when only the index is streamed) by its value.  In the
+    caller's order (another order is another key: a second plan, no recompile)."""
+    return tuple((name, ("value", v, None, True) if name == LENGTH else _key(v))
+                 for name, v in inputs.items())
+
+
+def _key(v) -> tuple:
+    """(kind, shape, dtype, whether it can be handed to the kernel as it is)."""
+    if type(v) is np.ndarray:  # the common case first: an exact type test is the cheapest
+        return ("numpy", v.shape, v.dtype, v.flags.c_contiguous)
+    if isinstance(v, Number):
+        return ("number", (), None, True)
+    if isinstance(v, np.ndarray):  # a subclass: read through the layout check
+        return ("numpy", v.shape, v.dtype, False)
+    if not hasattr(v, "shape") or not hasattr(v, "dtype"):
+        return ("other", type(v).__name__, None, False)  # the layout check names the problem
+    contiguous = getattr(v, "is_contiguous", lambda: False)()
+    flipped = getattr(v, "is_neg", lambda: False)() or getattr(v, "is_conj", lambda: False)()
+    return (type(v).__module__, tuple(v.shape), str(v.dtype), contiguous and not flipped)
+
+
+@dataclass(frozen=True)
+class Output:
+    name: str
+    kernel_shape: tuple[int, ...]
+    user_shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """One input signature's call: the compiled function and every argument's shapes.
+    ``direct``: every array input can be handed over as it is (float32, C-contiguous);
+    otherwise each call converts through ``algebra.layout`` (still without recompiling)."""
+
+    geo: Geometry
+    built: Built
+    func: object
+    inputs: tuple[tuple[str, tuple[int, int, int]], ...]  # kernel argument order
+    outputs: tuple[Output, ...]
+    direct: bool
+
+
+
+def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
+              key: tuple) -> CallPlan:
+    """The ``CallPlan`` of a signature whose layout was checked and whose kernel is built."""
+    sig = signature(rule, geo)
+    vector = vector_results(rule.cascade, layout.vector)
+    outs = tuple(Output(a.name, a.shape, _user_shape(rule, layout, a, vector),
+                        np.dtype(a.dtype)) for a in sig.outputs)
+    for o in outs:
+        if prod(o.user_shape) != prod(o.kernel_shape):  # the two conventions must agree
+            raise RuntimeError(f"output '{o.name}': kernel shape {o.kernel_shape} does not "
+                               f"hold user shape {o.user_shape}")
+    direct = all(k[-1] and (k[2] is None or _is_f32(k[2])) for _, k in key)
+    return CallPlan(geo, built, built.executable[FUNC_NAME],
+                    tuple((a.name, a.shape) for a in sig.inputs), outs, direct)
+
+
+def _is_f32(dtype) -> bool:
+    return dtype == F32 or str(dtype) in ("torch.float32", "float32")
+
+
+def _user_shape(rule, layout: Layout, arg, vector: set) -> tuple[int, ...]:
+    """The documented shape of an output (``algebra.layout.to_user``): (*rows[, D | k]) for
+    results, (*rows, N[, D]) for per-element outputs."""
+    c = rule.cascade
+    feature = (layout.d or 1,) if arg.name in vector else ()
+    shape = c.shapes.get(arg.name)
+    if shape is not None and shape.k:
+        return layout.rows + (shape.k,)
+    if arg.elementwise:
+        return layout.rows + (layout.n,) + feature
+    return layout.rows + feature
+
+
+def input_arrays(plan: CallPlan, inputs: dict, layout: Layout | None) -> list:
+    """The kernel's inputs: the caller's memory reshaped (no copy) when ``direct``, else the
+    views ``algebra.layout`` made (converted to float32 there), each wrapped through DLPack
+    with the alignment the kernels are compiled for checked (``tvm_adapter.from_dlpack``)."""
+    out = []
+    for name, shape in plan.inputs:
+        v = inputs[name] if layout is None else layout.arrays[name]
+        if isinstance(v, Number):
+            out.append(np.full(shape, v, F32))
+        else:
+            out.append(from_dlpack(v.reshape(shape)))
+    return out
+
+
+def output_arrays(plan: CallPlan, out: dict | None) -> tuple[dict, list]:
+    """(user-facing outputs, kernel arguments): the caller's ``out`` arrays where given
+    (checked), else fresh arrays.  A fresh ``np.empty`` is ALIGNMENT-aligned without a
+    check: numpy takes its memory from malloc, aligned for any C type (16 bytes on
+    x86-64 and AArch64; tests/test_call.py holds it to that)."""
+    if out:
+        return _given_outputs(plan, out)
+    users, args = {}, []
+    for o in plan.outputs:
+        buf = np.empty(o.kernel_shape, o.dtype)
+        users[o.name] = buf.reshape(o.user_shape)
+        args.append(buf)
+    return users, args
+
+
+def _given_outputs(plan: CallPlan, out: dict) -> tuple[dict, list]:
+    unknown = sorted(set(out) - {o.name for o in plan.outputs})
+    if unknown:
+        raise ValueError(f"out names {unknown}, which this kernel does not compute; its "
+                         f"outputs are {[o.name for o in plan.outputs]}")
+    users, args = {}, []
+    for o in plan.outputs:
+        given = out.get(o.name)
+        if given is None:
+            buf = empty_aligned(o.kernel_shape, o.dtype)
+            users[o.name] = buf.reshape(o.user_shape)
+        else:
+            _check_out(o, given)
+            users[o.name], buf = given, given.reshape(o.kernel_shape)
+        args.append(buf)
+    return users, args
+
+
+def _check_out(o: Output, given) -> None:
+    """``given`` can be written by the kernel in place as output ``o``, or a clear error."""
+    shape, dtype = tuple(getattr(given, "shape", ())), str(getattr(given, "dtype", type(given)))
+    if not hasattr(given, "__dlpack__"):
+        raise TypeError(f"out['{o.name}'] must be an array or a DLPack tensor, not "
+                        f"{type(given).__name__}")
+    if shape != o.user_shape:
+        raise ValueError(f"out['{o.name}'] has shape {shape}; expected {o.user_shape}")
+    if dtype.replace("torch.", "") != o.dtype.name:
+        raise TypeError(f"out['{o.name}'] has dtype {dtype}; expected {o.dtype.name}")
+    if isinstance(given, np.ndarray):
+        ok, address = given.flags.c_contiguous and given.flags.writeable, given.ctypes.data
+    else:
+        ok, address = given.is_contiguous(), given.data_ptr()
+    if not ok or address % ALIGNMENT:
+        raise ValueError(f"out['{o.name}'] must be C-contiguous, writeable and "
+                         f"{ALIGNMENT}-byte aligned (numpy's and torch's own allocations are)")
+
+
+def framework_of(inputs: dict):
+    """The module of the first non-numpy array input (torch), whose ``from_dlpack`` gives the
+    outputs back in the caller's kind; None for numpy inputs."""
+    for v in inputs.values():
+        if not isinstance(v, Number | np.ndarray) and hasattr(v, "__dlpack__"):
+            return importlib.import_module(type(v).__module__.split(".")[0])
+    return None
+
+
+def in_kind(users: dict, out: dict | None, framework) -> dict:
+    """Outputs as the caller's kind: ``out`` objects as given, fresh ones converted
+    zero-copy (numpy -> the framework's tensor through DLPack)."""
+    if framework is None:
+        return users
+    out = out or {}
+    return {k: v if k in out else framework.from_dlpack(v) for k, v in users.items()}
