@@ -392,8 +392,9 @@ def split_invariant(exprs, varying: set, per_slot: bool = True):
 
 def _hoistable(e: sp.Expr, varying: set, names) -> bool:
     """Worth computing once outside the loop: not a leaf, no ``varying`` name."""
-    return not (e.is_Atom or e.is_number or type(e).__name__ == "Dot") and \
-        not (names(e) & varying)
+    return not (e.is_Atom or e.is_number or isinstance(e, sp.logic.boolalg.Boolean) or
+                type(e).__name__ == "Dot") and \
+        not (names(e) & varying)  # a condition stays where its select reads it: no float cache
 
 
 def _names_outside_dots(e: sp.Expr) -> set[str]:
