@@ -78,7 +78,7 @@ def test_chained_comparisons_and_connectives():
     c = parse("mask = 0 <= x[i] < 1 and not i > pos or x[i] == 2\nm = sum(where(mask, x[i], 0))")
     x, i, pos = (sp.Symbol("x", real=True), sp.Symbol("i", nonnegative=True, integer=True),
                  sp.Symbol("pos", real=True))
-    cond = (((0 <= x) & (x < 1) & ~(i > pos)) | sp.Eq(x, 2))
+    cond = (sp.Le(0, x) & (x < 1) & ~(i > pos)) | sp.Eq(x, 2)
     assert c.reductions[0].body == Where(cond, x, 0)
 
 
@@ -131,7 +131,8 @@ def test_fully_masked_causal_rows():
     assert np.isnan(out["o"][:, 0]).all() and np.isfinite(out["o"][:, 1]).all()
     safe = rule_for(SAFE_CAUSAL).evaluate(inputs, chunks=[3, 3])
     assert np.all(safe["o"][:, 0] == 0)
-    np.testing.assert_array_equal(safe["o"][:, 1:], out["o"][:, 1:])
+    np.testing.assert_array_equal(safe["o"][:, 1], out["o"][:, 1])
+    assert np.isnan(out["m"][:, 2]).all()  # the last query reads the NaN keys: NaN, as np.max
 
 
 # -- masked cascades against the oracle (evaluate) --------------------------------------------------
