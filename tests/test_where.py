@@ -43,7 +43,8 @@ MASKED_SOFTMAX = ("s = where(keep[i] > 0, x[i], -inf)\nm = max(s)\nd = sum(exp(s
                   "y[i] = where(keep[i] > 0, exp(x[i] - m) / d, 0)")
 SAFE_MEAN = ("s = where(keep[i] > 0, x[i], -inf)\nm = max(s)\nd = sum(exp(s - m))\n"
              "o = where(d > 0, sum(exp(s - m) * x[i]) / d, 0)")
-MASKED_VARIANCE = ("c = sum(where(keep[i] > 0, 1, 0))\nmean = sum(where(keep[i] > 0, x[i], 0)) / c\n"
+MASKED_VARIANCE = ("c = sum(where(keep[i] > 0, 1, 0))\n"
+                   "mean = sum(where(keep[i] > 0, x[i], 0)) / c\n"
                    "var = sum(where(keep[i] > 0, (x[i] - mean)**2, 0)) / c")
 SAFE_CAUSAL = ("s = where(i <= pos, dot(q, k[i, :]) * scale, -inf)\nm = max(s)\n"
                "d = sum(exp(s - m))\no = where(d > 0, sum(exp(s - m) * v[i, :]) / d, 0)")
@@ -135,7 +136,7 @@ def test_fully_masked_causal_rows():
     assert np.isnan(out["m"][:, 2]).all()  # the last query reads the NaN keys: NaN, as np.max
 
 
-# -- masked cascades against the oracle (evaluate) --------------------------------------------------
+# -- masked cascades against the oracle (evaluate) ----------------------------------------------
 
 @st.composite
 def masked_streams(draw):
