@@ -392,9 +392,10 @@ def split_invariant(exprs, varying: set, per_slot: bool = True):
 
 def _hoistable(e: sp.Expr, varying: set, names) -> bool:
     """Worth computing once outside the loop: not a leaf, no ``varying`` name."""
+    # a select is not hoisted whole, its branches are: attention's masked d and o then share
+    # one exp(s - m); a condition stays where its select reads it (caches hold floats)
     return not (e.is_Atom or e.is_number or isinstance(e, sp.logic.boolalg.Boolean) or
-                type(e).__name__ == "Dot") and \
-        not (names(e) & varying)  # a condition stays where its select reads it: no float cache
+                type(e).__name__ in ("Dot", "Where")) and not (names(e) & varying)
 
 
 def _names_outside_dots(e: sp.Expr) -> set[str]:
