@@ -203,6 +203,12 @@ class Where(_Named):
     one onto ``np.where`` and ``tirx.Select``; ``Piecewise`` keeps (expr, cond) pairs that
     sympy rewrites on its own (``piecewise_fold``) and every translator would special-case.
     Moving it out of an expression is our own, proven law (``algebra.selects.lift``).
+
+    Examples
+    --------
+    >>> x = sp.Symbol("x", real=True)
+    >>> Where(x > 0, x, -sp.oo), Where(sp.true, x, 0), (Where(x > 0, 1, 0) * 2).is_nonnegative
+    (where(x > 0, x, -oo), x, True)
     """
 
     spec_name = "where"

@@ -92,7 +92,17 @@ def check_selects(name: str, body: sp.Expr, anchors: set, family: str):
     """Refuse the selects no law separates: a condition that reads an anchor (which elements
     are selected would change whenever the anchor moves, so no state of the elements seen so
     far could be re-anchored), and selects in a selecting or multiplicative body that reads
-    anchors (the empty selection has no exact finalize without a count of its elements)."""
+    anchors (the empty selection has no exact finalize without a count of its elements).
+
+    Examples
+    --------
+    >>> from algebra.functions import Where
+    >>> x, m = sp.symbols("x m", real=True)
+    >>> check_selects("c", Where(x > m, 1, 0), {m}, "linear")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    algebra.errors.NotFusable: reduction 'c' cannot be fused: `x > m` is the condition ...
+    """
     for cond in conditions(body):
         if cond.free_symbols & anchors:
             used = ", ".join(sorted(str(a) for a in cond.free_symbols & anchors))
