@@ -21,9 +21,18 @@ from .components import (
     primed,
 )
 from .errors import NotFusable
+from .functions import Where
 from .laws import LAWS
 from .prove import Obligation
-from .separate import Block, linear_blocks, monotone_core, multiplicative_split, taylor_indices
+from .selects import masked
+from .separate import (
+    Block,
+    check_selects,
+    linear_blocks,
+    monotone_core,
+    multiplicative_split,
+    taylor_indices,
+)
 from .spec import POSITION, Cascade, N, Reduction
 
 
@@ -31,7 +40,11 @@ def derive_components(cascade: Cascade) -> tuple[Component, ...]:
     """Fused components of every reduction, in dependence order."""
     streams = set(cascade.streams) | {POSITION}
     family = {"linear": _linear, "selecting": _select, "multiplicative": _product}
-    return tuple(family[LAWS[r.op].family](r, set(r.anchors), streams) for r in cascade.reductions)
+    out = []
+    for r in cascade.reductions:
+        check_selects(r.name, r.body, set(r.anchors), LAWS[r.op].family)
+        out.append(family[LAWS[r.op].family](r, set(r.anchors), streams))
+    return tuple(out)
 
 
 def running_values(cascade: Cascade, components) -> dict[str, sp.Expr]:
@@ -72,7 +85,14 @@ def _linear(r: Reduction, anchors: set, streams: set) -> LinearComponent:
             if c not in columns:
                 columns.append(c)
                 basis.append(psi)
-        finalize += block.coeff * c0 * cols[0]
+        term = block.coeff * c0 * cols[0]
+        if block.mask is not sp.true and block.reads(anchors):
+            # an empty selection sums to exactly 0 whatever the anchors; the state alone cannot
+            # tell it from elements at a non-finite anchor (exp(-inf - -inf) is NaN), so a count
+            # of the selected elements decides at finalize
+            count = _count_column(r.name, block.mask, columns, basis, entries, taken)
+            term = Where(sp.Gt(count, 0), term, sp.S.Zero)
+        finalize += term
     index = {c: k for k, c in enumerate(columns)}
     A = sp.zeros(len(columns))
     for (ci, cj), v in entries.items():
@@ -81,8 +101,29 @@ def _linear(r: Reduction, anchors: set, streams: set) -> LinearComponent:
                   for c, psi in zip(columns, basis, strict=True) if c != COUNT)
     obligations = _linear_obligations(r, columns, basis, A, finalize)
     case = _linear_case(r, A, [b.coeff for b in blocks if b.coeff != 1])
+    masks = sorted({str(b.mask) for b in blocks if b.mask is not sp.true})
+    if masks:
+        case += ("; where(): the sums run over the elements of " + ", ".join(masks) +
+                 " (an anchored one with its count, so an empty selection is exactly 0)")
     return LinearComponent(r, case, state, r.anchors, finalize, obligations,
                            columns=tuple(columns), basis=tuple(basis), matrix=A)
+
+
+def _count_column(name: str, mask, columns: list, basis: list, entries: dict, taken: set):
+    """The column counting the elements of ``mask`` (one already there, or a new one: an
+    anchor-free sum, so its row of the re-anchoring matrix is the identity)."""
+    psi = masked(mask, sp.S.One)
+    if psi in basis:
+        return columns[basis.index(psi)]
+    base = f"{name}_count"
+    while base in taken:
+        base += "_"
+    taken.add(base)
+    col = sp.Symbol(base, real=True)
+    columns.append(col)
+    basis.append(psi)
+    entries[(col, col)] = sp.S.One
+    return col
 
 
 def _linear_case(r: Reduction, A: sp.Matrix, coeffs: list) -> str:
@@ -121,7 +162,8 @@ def _block_columns(name: str, block: Block, anchors: set, streams: set, taken: s
     """State columns of one block: Taylor coefficients T_g = c_g * psi_g, and the matrix
     T_g(a') = exp(beta(a') - beta(a)) * sum_{h >= g} binom(h, g) (a' - a)**(h - g) T_h(a)."""
     idxs = taylor_indices(name, block, anchors)
-    parts = [_content(block.kernel(ix), streams) for ix in idxs]
+    parts = [(c, block.masked(psi)) for c, psi in
+             (_content(block.kernel(ix), streams) for ix in idxs)]
     cols = []
     for k, (_, psi) in enumerate(parts):
         if psi == 1:

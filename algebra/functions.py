@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import reduce
 
 import numpy as np
 import sympy as sp
 from sympy.codegen.cfunctions import expm1, log1p
 from sympy.core.logic import fuzzy_and
+from sympy.logic.boolalg import Boolean
 
 
 class _Named(sp.Function):
@@ -191,6 +193,74 @@ class Dot(_Named):
         return rf"\left\langle {a}, {b}\right\rangle"
 
 
+class Where(_Named):
+    """``where(cond, a, b)``: ``a`` where ``cond`` holds, else ``b`` (numpy's ``np.where``; the
+    branch not selected never reaches the result, so an inf or NaN in it cannot leak).
+
+    A Function of three plain arguments rather than sympy's ``Piecewise``: sympy never
+    distributes arithmetic into it (no ``c*a + (1 - c)*b``, whose ``0*inf`` is NaN), its
+    condition is a sympy ``Boolean`` (so it can never be used as a number), and it maps one to
+    one onto ``np.where`` and ``tirx.Select``; ``Piecewise`` keeps (expr, cond) pairs that
+    sympy rewrites on its own (``piecewise_fold``) and every translator would special-case.
+    Moving it out of an expression is our own, proven law (``algebra.selects.lift``).
+
+    Examples
+    --------
+    >>> x = sp.Symbol("x", real=True)
+    >>> Where(x > 0, x, -sp.oo), Where(sp.true, x, 0), (Where(x > 0, 1, 0) * 2).is_nonnegative
+    (where(x > 0, x, -oo), x, True)
+    """
+
+    spec_name = "where"
+
+    @classmethod
+    def eval(cls, cond, a, b):
+        if not isinstance(cond, Boolean):
+            raise TypeError(f"where() needs a condition, not `{cond}`")
+        if cond is sp.true:
+            return a
+        if cond is sp.false:
+            return b
+        if a == b:
+            return a
+
+    def _eval_derivative(self, s):  # branch by branch: exact off the condition's boundary
+        cond, a, b = self.args
+        if s not in cond.free_symbols:
+            return Where(cond, a.diff(s), b.diff(s))
+        return None
+
+    def _branches(self, fact: str):
+        """A fact of the select: known only where both branches agree on it."""
+        a, b = (getattr(x, fact) for x in self.args[1:])
+        return a if a == b else None
+
+    def _eval_is_extended_real(self):
+        return self._branches("is_extended_real")
+
+    def _eval_is_finite(self):
+        return self._branches("is_finite")
+
+    def _eval_is_positive(self):
+        return self._branches("is_positive")
+
+    def _eval_is_nonnegative(self):
+        return self._branches("is_nonnegative")
+
+    def _eval_is_negative(self):
+        return self._branches("is_negative")
+
+    def _eval_is_nonpositive(self):
+        return self._branches("is_nonpositive")
+
+    def _eval_is_integer(self):
+        return self._branches("is_integer")
+
+    def _latex(self, printer):
+        c, a, b = (printer._print(x) for x in self.args)
+        return rf"\begin{{cases}} {a} & {c} \\ {b} & \text{{otherwise}} \end{{cases}}"
+
+
 def _np_sigmoid(x):
     one = x.dtype.type(1)
     return one / (one + np.exp(-x))
@@ -241,9 +311,32 @@ FUNCTIONS: dict[str, Elementwise] = {
     "maximum": Elementwise(2, Maximum, np.maximum),
     "minimum": Elementwise(2, Minimum, np.minimum),
     "dot": Elementwise(2, Dot, _np_dot),
+    "where": Elementwise(3, Where, np.where),  # select: the other branch never leaks
+}
+
+# Comparisons and connectives are sympy's own Relational/And/Or/Not (Booleans, never numbers):
+# spec operator -> sympy class.  The spec uses Python's ``and``/``or``/``not`` for connectives.
+COMPARISONS: dict[str, type] = {"Lt": sp.StrictLessThan, "LtE": sp.LessThan,
+                                "Gt": sp.StrictGreaterThan, "GtE": sp.GreaterThan,
+                                "Eq": sp.Equality, "NotEq": sp.Unequality}
+CONNECTIVES: dict[str, type] = {"And": sp.And, "Or": sp.Or, "Not": sp.Not}
+
+
+def _fold(op):
+    return lambda *args: reduce(op, args)  # sympy's And/Or take any number of arguments
+
+
+# sympy class name -> numpy kernel of the boolean nodes (IEEE: every comparison with NaN is
+# false except !=, as in numpy).
+BOOLEAN_KERNELS: dict[str, Callable[..., np.ndarray]] = {
+    "StrictLessThan": np.less, "LessThan": np.less_equal, "StrictGreaterThan": np.greater,
+    "GreaterThan": np.greater_equal, "Equality": np.equal, "Unequality": np.not_equal,
+    "And": _fold(np.logical_and), "Or": _fold(np.logical_or), "Not": np.logical_not,
+    "BooleanTrue": lambda: np.True_, "BooleanFalse": lambda: np.False_,
 }
 
 # sympy class name -> numpy kernel, for the interpreter's expression compiler.
 NUMPY_KERNELS: dict[str, Callable[..., np.ndarray]] = {
-    e.build.__name__: e.numpy for e in FUNCTIONS.values() if e.numpy is not None
+    **{e.build.__name__: e.numpy for e in FUNCTIONS.values() if e.numpy is not None},
+    **BOOLEAN_KERNELS,
 }

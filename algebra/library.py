@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 _SOFTMAX = "m = max(x[i])\nd = sum(exp(x[i] - m))\n"
+_ATTENTION = "m = max(s)\nd = sum(exp(s - m))\no = sum(exp(s - m) * v[i, :]) / d"
 
 LIBRARY: dict[str, tuple[str, str]] = {
     "softmax": (_SOFTMAX + "y[i] = exp(x[i] - m) / d",
@@ -16,9 +17,11 @@ LIBRARY: dict[str, tuple[str, str]] = {
     "cross_entropy": ("m = max(x[i])\nlse = log(sum(exp(x[i] - m))) + m\n"
                       "loss = lse - sum(x[i] * t[i])",
                       "cross-entropy against a (soft or one-hot) target row t"),
-    "attention": ("s = dot(q, k[i, :]) * scale\nm = max(s)\nd = sum(exp(s - m))\n"
-                  "o = sum(exp(s - m) * v[i, :]) / d",
+    "attention": ("s = dot(q, k[i, :]) * scale\n" + _ATTENTION,
                   "one query row against keys and values: the online-softmax rule"),
+    "causal_attention": ("s = where(i <= pos, dot(q, k[i, :]) * scale, -inf)\n" + _ATTENTION,
+                         "attention of the query at position pos: keys i > pos are masked "
+                         "(a select, so inf/NaN in masked keys never reach the result)"),
     "variance": ("mean = sum(x[i]) / N\nvar = sum((x[i] - mean)**2) / N",
                  "mean and (population) variance, anchored at the running mean"),
     "layernorm": ("mean = sum(x[i]) / N\nvar = sum((x[i] - mean)**2) / N\n"
@@ -61,16 +64,21 @@ def example_inputs(name: str, n: int = 64, rows: tuple = (4,), d: int = 16, seed
     >>> {k: v.shape for k, v in example_inputs("attention", n=8, rows=(2, 3), d=4).items()
     ...  if hasattr(v, "shape")}
     {'q': (2, 3, 4), 'k': (2, 1, 8, 4), 'v': (2, 1, 8, 4)}
+    >>> example_inputs("causal_attention", n=8, rows=(2, 3), d=4)["pos"]
+    array([[0., 1., 2.]], dtype=float32)
     """
     g = np.random.default_rng(seed)
 
     def normal(*shape):
         return g.normal(size=shape).astype(np.float32)
 
-    if name == "attention":
+    if name in ("attention", "causal_attention"):
         lead = rows[:-1] or (1,)
-        return {"q": normal(*rows, d), "k": normal(*lead, 1, n, d), "v": normal(*lead, 1, n, d),
-                "scale": d ** -0.5}
+        out = {"q": normal(*rows, d), "k": normal(*lead, 1, n, d), "v": normal(*lead, 1, n, d),
+               "scale": d ** -0.5}
+        if name == "causal_attention":  # query l sits at position l (torch's is_causal)
+            out["pos"] = np.arange(rows[-1], dtype=np.float32).reshape(1, rows[-1])
+        return out
     extra = {
         "layernorm": lambda: {"g": normal(*rows, n), "b": normal(*rows, n), "eps": 1e-5},
         "rmsnorm": lambda: {"g": normal(n), "eps": 1e-5},

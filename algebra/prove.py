@@ -3,6 +3,8 @@
 An ``Obligation`` is either an identity ``lhs == rhs`` (checked by reducing
 ``lhs - rhs`` to zero) or a sign fact (``expr > 0`` and friends, checked with
 sympy's assumption system).  "sympy could not decide" is a failure, never a pass.
+An identity with selects (``where``) is proven case by case: under every truth assignment
+of its comparisons (``algebra.selects.cases``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy as sp
+
+from .selects import cases, has_select
 
 SIGNS = {  # predicate -> (sympy assumption query, printed relation)
     "positive": (lambda e: e.is_positive, "> 0"),
@@ -34,6 +38,8 @@ def is_zero(e: sp.Expr | sp.MatrixBase) -> bool:
         return all(is_zero(v) for v in e)
     if e == 0:
         return True
+    if has_select(e):  # select semantics: the identity must hold in every case
+        return all(c == 0 or (not has_select(c) and is_zero(c)) for c in cases(e))
     for rewrite in (lambda v: sp.expand(sp.powsimp(sp.expand(v))), sp.simplify):
         if rewrite(e) == 0:
             return True

@@ -10,6 +10,11 @@ Three analyses, one per algebraic family of ``laws.LAWS``:
 - ``monotone_core`` (max/min/arg*/topk): body = F(g(x), a) for one anchor-free g.
 - ``multiplicative_split`` (prod): body = C(a) * G(x).
 
+A body with selects (``where``) is first checked by ``check_selects``: a select whose
+condition reads the stream and parameters only is separable (each leaf of the select tree
+is separated on its own, and its state sums run over the elements of its mask: see
+``algebra.selects``); a condition that reads an anchor is refused.
+
 Anything else raises ``NotFusable`` naming the smallest offending sub-expression.
 """
 
@@ -22,6 +27,7 @@ import sympy as sp
 
 from .errors import NotFusable
 from .functions import Maximum, Minimum, Relu, Round
+from .selects import conditions, has_select, leaves, masked
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,18 @@ class Block:
     coeff: sp.Expr
     beta: sp.Expr
     terms: tuple[tuple[sp.Expr, sp.Expr], ...]  # (alpha_t(x), P_t(x, a)), P_t polynomial in a
+    mask: sp.Basic = sp.true  # the elements the block sums over (a select's leaf)
+
+    def masked(self, value: sp.Expr) -> sp.Expr:
+        """``value`` on the block's elements, 0 on the others."""
+        return value if self.mask is sp.true else masked(self.mask, value)
+
+    def reads(self, anchors: set) -> bool:
+        """Does the block depend on an anchor (re-anchored, or an anchor factor)?"""
+        free = self.coeff.free_symbols | self.beta.free_symbols
+        for _, poly in self.terms:
+            free |= poly.free_symbols
+        return bool(free & anchors)
 
     def kernel(self, deriv: dict[sp.Symbol, int] | None = None) -> sp.Expr:
         """sum_t exp(alpha_t + beta) * d^deriv P_t / deriv!  (the Taylor coefficient T_deriv)."""
@@ -68,6 +86,36 @@ _WHY = {
     sp.Pow: "is not a polynomial in the anchor: a power, root or quotient of a stream-and-"
             "anchor expression has no finite-rank G(x)*H(anchor) form",
 }
+
+
+def check_selects(name: str, body: sp.Expr, anchors: set, family: str):
+    """Refuse the selects no law separates: a condition that reads an anchor (which elements
+    are selected would change whenever the anchor moves, so no state of the elements seen so
+    far could be re-anchored), and selects in a selecting or multiplicative body that reads
+    anchors (the empty selection has no exact finalize without a count of its elements).
+
+    Examples
+    --------
+    >>> from algebra.functions import Where
+    >>> x, m = sp.symbols("x m", real=True)
+    >>> check_selects("c", Where(x > m, 1, 0), {m}, "linear")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    algebra.errors.NotFusable: reduction 'c' cannot be fused: `x > m` is the condition ...
+    """
+    for cond in conditions(body):
+        if cond.free_symbols & anchors:
+            used = ", ".join(sorted(str(a) for a in cond.free_symbols & anchors))
+            raise NotFusable(name, cond, f"is the condition of a where() and reads the earlier "
+                             f"result(s) {used}: which elements are selected changes whenever "
+                             "the running value moves, so the select is not separable (only a "
+                             "condition on the stream, i and parameters is); an epilogue "
+                             "where(cond, sum(a), sum(b)) can select on results")
+    if family != "linear" and anchors and has_select(body):
+        raise NotFusable(name, body, "is a where() inside a max/min/arg*/topk/prod body that "
+                         "also reads earlier results: not supported (the select is separable "
+                         "only in sums, or in such bodies that read no earlier result, e.g. "
+                         "max(where(i <= pos, s, -inf)))")
 
 
 def _separable(e: sp.Expr, anchors: set, streams: set) -> bool:
@@ -146,8 +194,15 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[
         return has_exp(e) or (_mixes(e, anchors, streams) and
                               not e.is_polynomial(*(e.free_symbols & anchors)))
 
-    groups: dict[tuple[sp.Expr, sp.Expr], dict[sp.Expr, sp.Expr]] = {}
-    for expo, rest in _split_terms(body, opens):
+    groups: dict[tuple, dict[sp.Expr, sp.Expr]] = {}
+    for mask, leaf in leaves(body):
+        _leaf_blocks(name, leaf, mask, anchors, streams, opens, groups)
+    return [Block(c, b, tuple(t.items()), mask) for (c, b, mask), t in groups.items()]
+
+
+def _leaf_blocks(name, leaf, mask, anchors, streams, opens, groups):
+    """Add the blocks of one select-free leaf (summed over the elements of ``mask``)."""
+    for expo, rest in _split_terms(leaf, opens):
         alpha, beta = _split_exponent(expo, anchors, streams, name)
         coeff, poly = sp.S.One, sp.S.One
         if alpha == 0:  # exp of anchors alone: a plain anchor factor, finalize takes it
@@ -161,9 +216,8 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[
                 poly *= f
             else:
                 raise NotFusable(name, *culprit(f, anchors, streams))
-        terms = groups.setdefault((coeff, beta), {})
+        terms = groups.setdefault((coeff, beta, mask), {})
         terms[alpha] = terms.get(alpha, sp.S.Zero) + poly
-    return [Block(c, b, tuple(t.items())) for (c, b), t in groups.items()]
 
 
 MAX_RANK = 16  # state sums per block: beyond this a "one pass" costs more than it saves

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from .errors import SpecError
-from .functions import FUNCTIONS, Dot
+from .functions import COMPARISONS, CONNECTIVES, FUNCTIONS, Dot
 from .laws import LAWS
+from .selects import MAX_CONDITIONS, conditions, lift
 
 INDEX, LENGTH = "i", "N"  # the stream index and the stream length
 N = sp.Symbol(LENGTH, positive=True, integer=True)
@@ -105,6 +106,7 @@ class _Val:
     expr: sp.Expr
     shape: Shape
     reduces: bool = False  # contains a reduction (hoisted) result
+    boolean: bool = False  # a condition (comparison, and/or/not): never a number
 
 
 class _Lifter:
@@ -166,6 +168,11 @@ class _Lifter:
             self.outputs.append(name)
             return
         val = self.expr(value)
+        if val.boolean and (per_element or val.reduces):
+            _fail(value, f"'{name}' is a condition (true or false), not a number: a result "
+                         "must be a number, e.g. where(cond, 1, 0)")
+        if not val.boolean:
+            val = _Val(lift(val.expr), val.shape, val.reduces)  # selects at the top
         streamed = bool(val.expr.free_symbols & (self._streams() | {POSITION}))
         if streamed and val.shape.k:
             _fail(value, "shape mismatch: top-k values combined with a per-element value")
@@ -193,9 +200,13 @@ class _Lifter:
         k = _int_literal(call.args[1]) if law.takes_k else None
         self.in_body = call
         try:
-            body = self.expr(call.args[0])
+            body = self.number(call.args[0], f"the body of {op}()")
         finally:
             self.in_body = None
+        body = _Val(lift(body.expr), body.shape, body.reduces)  # selects at the top
+        if len(conditions(body.expr)) > MAX_CONDITIONS:
+            _fail(call.args[0], f"{op}() body has more than {MAX_CONDITIONS} distinct where() "
+                                "conditions: each one doubles the cases to prove")
         if (law.returns != "value" or law.takes_k) and body.shape.vec:
             _fail(call.args[0], f"{op}() needs a scalar per element, not a feature-axis vector")
         if body.shape.k:
@@ -226,16 +237,61 @@ class _Lifter:
         return _Val(sp.nsimplify(node.value) if isinstance(node.value, float) else
                     sp.Integer(node.value), Shape())
 
+    def number(self, node: ast.AST, role: str = "") -> _Val:
+        """An expression used as a number: a condition here is an error."""
+        v = self.expr(node)
+        if v.boolean:
+            where = f" in {role}" if role else ""
+            _fail(node, f"'{ast.unparse(node)}' is a condition (true or false), used as a "
+                        f"number{where}: write where({ast.unparse(node)}, 1, 0)")
+        return v
+
+    def condition(self, node: ast.AST, role: str) -> _Val:
+        v = self.expr(node)
+        if not v.boolean:
+            _fail(node, f"{role} needs a condition (a comparison such as i <= pos, joined with "
+                        f"and/or/not), not the number '{ast.unparse(node)}'")
+        return v
+
     def e_UnaryOp(self, node):
-        v = self.expr(node.operand)
+        if isinstance(node.op, ast.Not):
+            v = self.condition(node.operand, "'not'")
+            return _Val(sp.Not(v.expr), v.shape, v.reduces, True)
+        if isinstance(node.op, ast.Invert):
+            _fail(node, "'~' is not a spec operator: negate a condition with 'not'")
+        v = self.number(node.operand)
         if isinstance(node.op, ast.USub):
             return _Val(-v.expr, v.shape, v.reduces)
         if isinstance(node.op, ast.UAdd):
             return v
         _fail(node, f"unsupported operator in {ast.unparse(node)!r}")
 
+    def e_Compare(self, node):
+        """``a < b``, ``a <= b < c`` (chained: each adjacent pair, joined with and)."""
+        sides = [self.number(node.left), *(self.number(c) for c in node.comparators)]
+        parts, shape = [], sides[0].shape
+        for op, a, b in zip(node.ops, sides, sides[1:], strict=False):
+            shape = shape.join(b.shape, node)
+            try:
+                parts.append(COMPARISONS[type(op).__name__](a.expr, b.expr))
+            except (KeyError, TypeError):  # 'is', 'in'; or a comparison sympy finds undefined
+                _fail(node, f"cannot compare in {ast.unparse(node)!r}: use < <= > >= == != "
+                            "between real numbers")
+        return _Val(sp.And(*parts), shape, any(v.reduces for v in sides), True)
+
+    def e_BoolOp(self, node):
+        vals = [self.condition(v, f"'{type(node.op).__name__.lower()}'") for v in node.values]
+        shape = vals[0].shape
+        for v in vals[1:]:
+            shape = shape.join(v.shape, node)
+        return _Val(CONNECTIVES[type(node.op).__name__](*(v.expr for v in vals)), shape,
+                    any(v.reduces for v in vals), True)
+
     def e_BinOp(self, node):
-        a, b = self.expr(node.left), self.expr(node.right)
+        if isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+            _fail(node, f"'{ast.unparse(node)}': '&', '|' and '^' are not spec operators; join "
+                        "conditions with 'and' / 'or'")
+        a, b = self.number(node.left), self.number(node.right)
         ops = {ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y,
                ast.Mult: lambda x, y: x * y, ast.Div: lambda x, y: x / y,
                ast.Pow: lambda x, y: x ** y}
@@ -278,7 +334,11 @@ class _Lifter:
             _fail(node, f"unknown function '{fname or ast.unparse(node.func)}'{hint}")
         if len(node.args) != fn.arity or node.keywords:
             _fail(node, f"{fname}() takes {fn.arity} argument(s), got {len(node.args)}")
-        args = [self.expr(a) for a in node.args]
+        if fname == "where":
+            args = [self.condition(node.args[0], "where()"),
+                    *(self.number(a, "where()") for a in node.args[1:])]
+        else:
+            args = [self.number(a, f"{fname}()") for a in node.args]
         if fname == "dot":
             return self._dot(node, args)
         shape = args[0].shape

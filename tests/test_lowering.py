@@ -36,6 +36,10 @@ def library_inputs(name: str, n: int = 77, rows=(5,)) -> dict:
         return dict(q=rng.normal(size=(2, 3, 8)).astype(np.float32),
                     k=rng.normal(size=(2, 1, n, 8)).astype(np.float32),
                     v=rng.normal(size=(2, 1, n, 8)).astype(np.float32), scale=0.35)
+    if name == "causal_attention":  # a fully masked query (pos -1); NaN/inf in masked keys
+        out = library_inputs("attention", n, rows)
+        out["k"][..., 6:, 0], out["v"][..., 6:, 1] = np.nan, np.inf
+        return {**out, "pos": np.array([[-1, 1, 5]], np.float32)}
     return {"x": x, **extra.get(name, {})}
 
 

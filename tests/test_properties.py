@@ -278,6 +278,9 @@ def library_inputs(name: str, rng: np.random.Generator, rows: tuple, n: int, d: 
 
     if name == "attention":
         return {"q": f(*rows, d), "k": f(*rows, n, d), "v": f(*rows, n, d), "scale": 0.5}
+    if name == "causal_attention":  # pos -1: a fully masked row
+        return {"q": f(*rows, d), "k": f(*rows, n, d), "v": f(*rows, n, d), "scale": 0.5,
+                "pos": rng.integers(-1, n, rows).astype(F32)}
     if name == "cross_entropy":
         return {"x": f(*rows, n), "t": f(*rows, n)}
     if name == "layernorm":

@@ -57,7 +57,7 @@ def test_epilogue_as_anchor_and_stream_let_depending_on_a_result():
     ("N = sum(x[i])", 1, 1, "reserved"),
     ("a = sum(x[i] / 0)", 1, 9, "undefined"),
     ("a = 2 * b", 1, 1, "no reduction"),
-    ("a = sum(x[i] > 0)", 1, 9, "unsupported syntax"),
+    ("a = sum(x[i] > 0)", 1, 9, "is a condition (true or false), used as a number"),
 ])
 def test_bad_specs_name_line_column_and_problem(spec, line, col, words):
     with pytest.raises(SpecError) as err:

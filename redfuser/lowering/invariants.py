@@ -4,8 +4,9 @@ that do not vary over an axis (hoisted out of its loop) and the dot products."""
 from __future__ import annotations
 
 import sympy as sp
+from sympy.logic.boolalg import Boolean
 
-from algebra.functions import Dot
+from algebra.functions import Dot, Where
 from algebra.rule import FusionRule
 
 from .geometry import component_exprs
@@ -28,7 +29,9 @@ def split_invariant(exprs, varying: set, per_slot: bool = True):
 
 def _hoistable(e: sp.Expr, varying: set, names) -> bool:
     """Worth computing once outside the loop: not a leaf, no ``varying`` name."""
-    return not (e.is_Atom or e.is_number or isinstance(e, Dot)) and \
+    # a select is not hoisted whole, its branches are: attention's masked d and o then share
+    # one exp(s - m); a condition stays where its select reads it (caches hold floats)
+    return not (e.is_Atom or e.is_number or isinstance(e, Dot | Where | Boolean)) and \
         not (names(e) & varying)
 
 

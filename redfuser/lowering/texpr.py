@@ -7,6 +7,7 @@ same way because the lowering computes each dot product once per element.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import sympy as sp
@@ -78,6 +79,16 @@ FUNCS: dict[str, Callable] = {
     "sign": lambda a, dt, exp: _sign(a[0], dt),
     "Maximum": lambda a, dt, exp: tirx.max(a[0], a[1]),
     "Minimum": lambda a, dt, exp: tirx.min(a[0], a[1]),
+    "Where": lambda a, dt, exp: tirx.Select(a[0], a[1], a[2]),  # np.where: no branch leaks
+    "StrictLessThan": lambda a, dt, exp: a[0] < a[1],
+    "LessThan": lambda a, dt, exp: a[0] <= a[1],
+    "StrictGreaterThan": lambda a, dt, exp: a[0] > a[1],
+    "GreaterThan": lambda a, dt, exp: a[0] >= a[1],
+    "Equality": lambda a, dt, exp: tirx.EQ(a[0], a[1]),  # PrimExpr == is object identity
+    "Unequality": lambda a, dt, exp: tirx.NE(a[0], a[1]),
+    "And": lambda a, dt, exp: functools.reduce(tirx.And, a),  # sympy's And/Or are n-ary
+    "Or": lambda a, dt, exp: functools.reduce(tirx.Or, a),
+    "Not": lambda a, dt, exp: tirx.Not(a[0]),
 }
 
 

@@ -45,12 +45,13 @@ class Workload:
     copy_of: str  # the input whose bytes bound the memory traffic
 
 
-def _sdpa(t):
+def _sdpa(t, causal: bool = False):
     import torch.nn.functional as F  # only when torch is there (an optional dependency)
 
-    # our K/V are (H, 1, N, D), shared by the queries of a head; torch wants (H, N, D)
+    # our K/V are (H, 1, N, D), shared by the queries of a head; torch wants (H, N, D);
+    # is_causal masks key j > query l (top-left aligned): our pos = l
     return lambda a: F.scaled_dot_product_attention(t(a["q"]), t(a["k"])[:, 0], t(a["v"])[:, 0],
-                                                    scale=a["scale"])
+                                                    scale=a["scale"], is_causal=causal)
 
 
 def _np_softmax(a):
@@ -61,6 +62,8 @@ def _np_softmax(a):
 
 def _np_attention(a):
     s = np.einsum("hqd,hkd->hqk", a["q"], a["k"][:, 0]) * a["scale"]
+    if "pos" in a:  # causal: key j is masked for the query at position pos < j
+        s = np.where(np.arange(s.shape[-1]) <= a["pos"][..., None], s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     return np.einsum("hqk,hkd->hqd", p / p.sum(-1, keepdims=True), a["v"][:, 0])
 
@@ -89,6 +92,12 @@ def workloads(torch_tensor) -> list[Workload]:
             "k": g.normal(size=(h, 1, lk, d)).astype(np.float32),
             "v": g.normal(size=(h, 1, lk, d)).astype(np.float32), "scale": d ** -0.5}
 
+    def causal(h, lq, lk, d):
+        def make(g, s):
+            a = attn(h, lq, lk, d)(g, s)
+            return {**a, "pos": np.arange(a["q"].shape[1], dtype=np.float32).reshape(1, -1)}
+        return make
+
     def rms(g, s):
         n = 4096
         return {"x": g.normal(size=(max(1, int(256 * s)), n)).astype(np.float32),
@@ -100,6 +109,9 @@ def workloads(torch_tensor) -> list[Workload]:
                  tt(lambda a: import_torch.softmax(t(a["x"]), -1)), "x"),
         Workload("attention 8x1024x1024 D64", "attention", attn(8, 1024, 1024, 64),
                  _np_attention, tt(_sdpa(t) if t else None), "k"),
+        Workload("causal attention 8x1024x1024 D64", "causal_attention",
+                 causal(8, 1024, 1024, 64), _np_attention,
+                 tt(_sdpa(t, causal=True) if t else None), "k"),
         Workload("decode attention 8x1x32768 D128", "attention", attn(8, 1, 32768, 128),
                  _np_attention, tt(_sdpa(t) if t else None), "k"),
         Workload("layernorm stats 4096x4096", "variance", rows(4096, 4096),
