@@ -72,27 +72,36 @@ def _atoms(e: sp.Basic) -> list[Boolean]:
     for c in conditions(e):
         for n in sp.preorder_traversal(c):
             if isinstance(n, sp.core.relational.Relational) and not has_select(n):
-                out.add(n)
+                out.add(_canonical(n))
     return sorted(out, key=sp.default_sort_key)
+
+
+def _canonical(r: Boolean) -> Boolean:
+    """One of a comparison and its negation (x <= 1/2 and x > 1/2 are one fact, not two
+    independent ones: a case split that assigned both True would prove an identity in a
+    case that cannot happen, and fail where the identity is right)."""
+    return min(r, r.negated, key=sp.default_sort_key)
 
 
 def cases(e: sp.Basic) -> Iterator[sp.Basic]:
     """``e`` under every truth assignment of its comparisons (selects resolved away where the
-    assignment decides them).  Assignments that cannot happen (x < 0 and x > 1) are included:
-    proving more cases than needed is sound.
+    assignment decides them); a comparison and its negation get opposite values.  Other
+    assignments that cannot happen (x < 0 and x > 1) are included: proving more cases than
+    needed is sound.
 
     Examples
     --------
     >>> x = sp.Symbol("x", real=True)
     >>> list(cases(Where(x > 0, x, 0) + 1))
-    [x + 1, 1]
+    [1, x + 1]
     """
     atoms = _atoms(e)
     if not atoms:
         yield e
         return
+    atom = atoms[0]
     for value in (sp.true, sp.false):
-        yield from cases(e.xreplace({atoms[0]: value}))
+        yield from cases(e.xreplace({atom: value, atom.negated: ~value}))
 
 
 def leaves(e: sp.Expr, mask: Boolean = sp.true) -> list[tuple[Boolean, sp.Expr]]:

@@ -24,8 +24,7 @@ class Input:
     """One kernel input: a Relax expression read as a stream ``x[i]`` or a parameter ``x``.
 
     ``prep`` names a small Relax op applied before the call: ``("T",)`` swaps the last two
-    axes, ``("mask", K, first)`` turns a boolean condition into ``where(c, K, 0)`` (or
-    ``where(c, 0, K)`` when ``first`` is False).
+    axes, ``("float",)`` casts to float32 (an index, or a boolean condition as 0/1).
     """
 
     source: object

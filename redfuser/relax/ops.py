@@ -283,24 +283,19 @@ def tuple_item(lf: Lifting, item, ty) -> Node:
 
 
 def where(lf: Lifting, call, ty) -> Node:
-    """where(c, K, e) with K = -inf (or |K| >= 1e30) is e + where(c, K, 0): a mask input."""
+    """where(c, a, b) as the spec's select (np.where semantics: the unselected branch never
+    reaches the result, so inf or NaN in masked slots stays out).  The boolean condition
+    becomes a 0/1 float input read as ``c > 0.5``."""
     cond, a, b = call.args
-    ka, kb = lf.scalar(a), lf.scalar(b)
-    if (ka is None) == (kb is None):
-        raise Unliftable("where() with two computed branches (the spec has no select)")
-    k, other = (ka, b) if ka is not None else (kb, a)
-    if not (k == float("-inf") or abs(k) >= 1e30):
-        raise Unliftable(f"where() with the constant {k}: only -inf or |K| >= 1e30 masks "
-                         "are exact as an additive mask")
     out = static_shape(ty)
-    if str(cond.ty.dtype) != "bool" or not out or out[-1] < 2:
+    if str(cond.ty.dtype) != "bool" or not out:
         raise Unliftable("where() needs a boolean condition over the stream")
-    mask = Ext(cond, static_shape(cond.ty), "float32", ("mask", k, ka is not None))
-    ops = [lf.elem(other, out), lf.elem(mask, out)]
-    stmt, frag = _new(lf, BINARY["relax.add"], ops, "let", "relax.where",
+    flag = Ext(cond, static_shape(cond.ty), "float32", ("float",))
+    ops = [lf.elem(flag, out), lf.elem(a, out), lf.elem(b, out)]
+    stmt, frag = _new(lf, "where({0} > 0.5, {1}, {2})", ops, "let", "relax.where",
                       lf.combine(ops, out[:-1]))
-    return Node("elem", frag, stmt.name, frozenset({stmt.name}), out,
-                _terms("relax.add", ops), ops[0].dots)
+    return Node("elem", frag, stmt.name, frozenset({stmt.name}), out, (),
+                ops[1].dots | ops[2].dots)
 
 
 def gather(lf: Lifting, call, ty) -> Node:

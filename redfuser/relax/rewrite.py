@@ -119,17 +119,14 @@ def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
 
 
 def _prepared(inp, shape: tuple, bind):
-    """The input's Relax value before its reshape: transposed, a mask, or a float index."""
+    """The input's Relax value before its reshape: transposed, or as float32 (an index or a
+    condition)."""
     e, prep = inp.source, inp.prep
     if prep == ("T",):
         rank = len(static_shape(e.ty))
         e = bind(relax.op.permute_dims(e, [*range(rank - 2), rank - 1, rank - 2]), "rf_t")
-    elif prep and prep[0] == "mask":
-        k, zero = relax.const(prep[1], "float32"), relax.const(0.0, "float32")
-        e = bind(relax.op.where(e, k, zero) if prep[2] else relax.op.where(e, zero, k),
-                 "rf_mask")
-    elif prep == ("float",):
-        e = bind(relax.op.astype(e, "float32"), "rf_index")
+    elif prep == ("float",):  # an index, or a boolean condition as 0/1
+        e = bind(relax.op.astype(e, "float32"), "rf_float")
     if prod(static_shape(e.ty)) != prod(shape):
         raise Unliftable(f"input {static_shape(e.ty)} cannot be read as {shape}")
     return e
