@@ -1,10 +1,14 @@
 """Benchmark: ``python -m redfuser.tools.bench`` or ``redfuser bench`` (a script, not a test).
 
-For each workload: the fused kernel, the unfused kernel (same scheduling, one pass
-per reduction), numpy, torch eager and torch.compile when torch is installed, and a
-plain copy of the input bytes (the bandwidth bound) — all float32, medians of
-repeated runs in one process, with the thread count printed.  Ratios are measured
-in the same run because these machines are shared and noisy.
+For each workload: the fused kernel (allocating its outputs, and with ``out=``
+preallocated ones), the unfused kernel (same scheduling, one pass per reduction), numpy,
+torch eager and torch.compile when torch is installed, and a plain copy of the input
+bytes (allocating, and ``copy_`` into a preallocated array) — all float32, medians of
+repeated runs in one process, with the thread count printed.  Ratios are measured in the
+same run because these machines are shared and noisy.  Each row also states its distance
+to this machine's limits (``limits``): GB/s moved (inputs + outputs, the ``out=`` call)
+against the measured copy bandwidth for memory-bound workloads, GFLOP/s against a
+measured GEMM for matmul-bound ones.
 
 ``--tuned`` adds the tuned fused kernel (``redfuser.tune``: the cost model ranks the
 schedule space, the best few candidates and the hand-written plan are measured, the
@@ -42,7 +46,8 @@ class Workload:
     make: Callable[[np.random.Generator, float], dict]  # (rng, scale) -> inputs
     numpy: Callable[[dict], object]
     torch: Callable[[dict], object] | None
-    copy_of: str  # the input whose bytes bound the memory traffic
+    copy_of: str  # the input whose bytes a plain copy moves (the copy columns)
+    flops: Callable[[dict], float] | None = None  # matmul-bound: its flops; else memory-bound
 
 
 def _sdpa(t, causal: bool = False):
@@ -108,10 +113,10 @@ def workloads(torch_tensor) -> list[Workload]:
         Workload("softmax 4096x4096", "softmax", rows(4096, 4096), _np_softmax,
                  tt(lambda a: import_torch.softmax(t(a["x"]), -1)), "x"),
         Workload("attention 8x1024x1024 D64", "attention", attn(8, 1024, 1024, 64),
-                 _np_attention, tt(_sdpa(t) if t else None), "k"),
+                 _np_attention, tt(_sdpa(t) if t else None), "k", _attention_flops),
         Workload("causal attention 8x1024x1024 D64", "causal_attention",
                  causal(8, 1024, 1024, 64), _np_attention,
-                 tt(_sdpa(t, causal=True) if t else None), "k"),
+                 tt(_sdpa(t, causal=True) if t else None), "k", _causal_flops),
         Workload("decode attention 8x1x32768 D128", "attention", attn(8, 1, 32768, 128),
                  _np_attention, tt(_sdpa(t) if t else None), "k"),
         Workload("layernorm stats 4096x4096", "variance", rows(4096, 4096),
@@ -121,8 +126,22 @@ def workloads(torch_tensor) -> list[Workload]:
                  tt(lambda a: import_torch.topk(import_torch.softmax(t(a["x"]), -1), 8)), "x"),
         Workload("rmsnorm+gemm 256x4096->4096", "rmsnorm_gemm", rms, _np_rms_gemm,
                  tt(lambda a: import_torch.nn.functional.rms_norm(
-                     t(a["x"]), (4096,), eps=a["eps"]) @ t(a["w"])), "w"),
+                     t(a["x"]), (4096,), eps=a["eps"]) @ t(a["w"])), "w",
+                 lambda a: 2.0 * a["x"].shape[0] * a["w"].shape[0] * a["w"].shape[1]),
     ]
+
+
+def _attention_flops(a: dict) -> float:
+    """Q.K and P.V: two multiply-adds per (query, key, feature)."""
+    h, lq, d = a["q"].shape
+    return 4.0 * h * lq * a["k"].shape[-2] * d
+
+
+def _causal_flops(a: dict) -> float:
+    """The unmasked half (keys up to each query's position) of ``_attention_flops``."""
+    h, lq, d = a["q"].shape
+    kept = float(np.minimum(a["pos"].ravel() + 1, a["k"].shape[-2]).sum())
+    return 4.0 * h * kept * d
 
 
 def median_ms(fn: Callable[[], object], repeat: int) -> float:
@@ -146,7 +165,11 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
     if tuned:  # calibrate the cost model before torch has run (its idle threads spin)
         machine()
     rng = np.random.default_rng(0)
-    rows = []
+    rows, lim = [], limits(torch)
+    print(f"limits: copy {lim['gbs']:.1f} GB/s, GEMM {lim['gflops']:.1f} GFLOP/s "
+          "(memory-bound rows: GB/s of the out= call, inputs + outputs)", flush=True)
+    cols = [c for c in COLUMNS if c != "tuned" or tuned]
+    print(f"{'workload':<34}" + "".join(f"{c:>{WIDTH[c]}}" for c in cols), flush=True)
     # torch functions take torch tensors made once, outside the timed region (zero-copy views)
     for w in workloads((lambda a: a) if torch is not None else None):
         if only and only not in w.name:
@@ -160,7 +183,7 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
         if tuned:
             _add_tuned(row, w, inputs, fused, repeat)
         rows.append(row)
-        print(_line(row), flush=True)
+        print(_line(row, lim), flush=True)
         if tuned:
             same = row["tuned plan"] == describe(fused.plan)
             print(f"{'':<4}tuned: {row['tuned plan']} ({row['tune s']:.1f} s to tune); "
@@ -195,11 +218,17 @@ def _alternating(fns: list[Callable[[], object]], repeat: int) -> list[float]:
 
 def _time_all(w: Workload, inputs: dict, fused, unfused, torch, repeat: int,
               with_compile: bool) -> dict:
-    src = inputs[w.copy_of]
+    src, into = inputs[w.copy_of], np.empty_like(inputs[w.copy_of])
+    out = {k: np.empty_like(v) for k, v in fused(**inputs).items()}  # preallocated outputs
     row = {"fused": median_ms(lambda: fused(**inputs), repeat),
+           "out=": median_ms(lambda: fused(**inputs, out=out), repeat),
            "unfused": median_ms(lambda: unfused(**inputs), repeat),
            "numpy": median_ms(lambda: w.numpy(inputs), repeat),
-           "copy": median_ms(src.copy, repeat)}
+           "copy": median_ms(src.copy, repeat),
+           "copy_": median_ms(lambda: np.copyto(into, src), repeat),
+           "bytes": sum(v.nbytes for v in inputs.values() if isinstance(v, np.ndarray)) +
+           sum(v.nbytes for v in out.values()),
+           "flops": w.flops(inputs) if w.flops else None}
     if torch is not None and w.torch is not None:
         tin = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
                for k, v in inputs.items()}
@@ -211,18 +240,39 @@ def _time_all(w: Workload, inputs: dict, fused, unfused, torch, repeat: int,
     return row
 
 
-COLUMNS = ("fused", "tuned", "unfused", "numpy", "torch", "torch.compile", "copy")
+COLUMNS = ("fused", "out=", "tuned", "unfused", "numpy", "torch", "torch.compile", "copy",
+           "copy_")
 WIDTH = {c: max(9, len(c) + 1) for c in COLUMNS}
 
 
-def _line(row: dict) -> str:
+def _line(row: dict, limits: dict) -> str:
     cols = [c for c in COLUMNS if c != "tuned" or "tuned" in row]
     cells = [f"{row[c]:{WIDTH[c]}.2f}" if c in row else f"{'-':>{WIDTH[c]}}" for c in cols]
     f = row["fused"]
-    ratios = (f"unfused/fused {row['unfused'] / f:5.2f}  fused/copy {f / row['copy']:5.2f}" +
-              (f"  torch/fused {row['torch'] / f:5.2f}" if "torch" in row else "") +
-              (f"  fused/tuned {f / row['tuned']:5.2f}" if "tuned" in row else ""))
-    return f"{row['workload']:<34}" + "".join(cells) + "   " + ratios
+    ratios = [f"unfused/fused {row['unfused'] / f:5.2f}"]
+    ratios += [f"{k}/fused {row[k] / f:5.2f}" for k in ("torch", "torch.compile") if k in row]
+    ratios.append(f"out=/copy_ {row['out='] / row['copy_']:5.2f}")
+    if row["flops"]:
+        rate = row["flops"] / f / 1e6
+        ratios.append(f"{rate:7.1f} GFLOP/s ({rate / limits['gflops']:4.0%} of peak)")
+    else:
+        rate = row["bytes"] / row["out="] / 1e6
+        ratios.append(f"{rate:6.1f} GB/s ({rate / limits['gbs']:4.0%} of copy)")
+    if "tuned" in row:
+        ratios.append(f"fused/tuned {f / row['tuned']:5.2f}")
+    return f"{row['workload']:<34}" + "".join(cells) + "   " + "  ".join(ratios)
+
+
+def limits(torch) -> dict:
+    """This machine's measured ceilings: copy bandwidth (GB/s read + written, 256 MB) and
+    matrix-multiply throughput (GFLOP/s of a 2048^3 float32 GEMM, torch's where available:
+    the practical FMA peak)."""
+    src = np.ones(64 * 2 ** 20, np.float32)
+    into = np.empty_like(src)
+    gbs = 2 * src.nbytes / median_ms(lambda: np.copyto(into, src), 5) / 1e6
+    a = np.ones((2048, 2048), np.float32)
+    mm = (lambda: torch.from_numpy(a) @ torch.from_numpy(a)) if torch else (lambda: a @ a)
+    return {"gbs": gbs, "gflops": 2 * 2048 ** 3 / median_ms(mm, 5) / 1e6}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,8 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     print(f"threads: {default_threads()} (TVM_NUM_THREADS; torch set to the same); times in ms, "
           f"medians of {args.repeat}")
-    cols = [c for c in COLUMNS if c != "tuned" or args.tuned]
-    print(f"{'workload':<34}" + "".join(f"{c:>{WIDTH[c]}}" for c in cols))
     run(args.scale, args.repeat, not args.no_compile, args.only, args.tuned)
     if args.tuned and not args.no_metaschedule:
         print_comparison(args.scale, args.ms_trials)
