@@ -19,6 +19,8 @@ import time
 
 from algebra import LIBRARY, NotFusable, SpecError, derive
 
+KERNEL_ROUNDS = 5  # `redfuser kernels`: alternating rounds timed per cascade (median)
+
 
 def _derive_cmd(args: argparse.Namespace) -> int:
     if args.list:
@@ -86,12 +88,19 @@ def _kernels_cmd(args: argparse.Namespace) -> int:
         unfused(**inputs)
         err = _max_rel_err(out, redfuser.reference(name, inputs), np)
         worst = max(worst, err)
-        t_f, t_u = fused.time(repeat=5, **inputs), unfused.time(repeat=5, **inputs)
+        t_f, t_u = _interleaved((fused, unfused), inputs, np)
         loses = "  <- fused slower than unfused" if t_u < t_f else ""
         print(f"{name:<16} {compiled:7.2f}s {t_f:7.3f}ms {t_u:7.3f}ms {t_u / t_f:7.2f}x "
               f"{err:12.2e}  {fused.plan.variant}{loses}")
     print(f"worst relative error vs the float64 oracle: {worst:.2e} (float32 kernels)")
     return 0 if worst < 1e-3 else 1
+
+
+def _interleaved(kernels, inputs: dict, np, rounds: int = KERNEL_ROUNDS) -> list[float]:
+    """Median ms of each kernel over ``rounds`` rounds that alternate them: drifts of a shared
+    machine's speed then hit every kernel alike, not whichever was timed first."""
+    times = [[k.time(repeat=5, **inputs) for k in kernels] for _ in range(rounds)]
+    return [float(np.median(t)) for t in zip(*times, strict=True)]
 
 
 def _max_rel_err(out: dict, ref: dict, np) -> float:

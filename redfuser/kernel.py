@@ -40,7 +40,7 @@ from .lowering.plan import check_variant
 from .runtime import Built, allocate_outputs, build, random_inputs, time_built
 from .runtime import input_tensors as layout_tensors
 from .tune.search import model_plan, tuned_plan
-from .tvm_adapter import cuda_source, from_numpy
+from .tvm_adapter import cuda_source, from_numpy, host_source
 
 TUNE_MODES = (None, True, False, "model")
 # Executables a Kernel keeps (least recently used evicted): each holds ~1.6 MB of JIT code
@@ -242,6 +242,13 @@ class Kernel:
         if self._last is None:
             raise RuntimeError("call the kernel once (or kernel.prepare(**inputs)) first")
         return self._last.primfunc.script()
+
+    def assembly(self, fmt: str = "asm") -> str:
+        """The CPU code of the most recently compiled kernel: "asm" or "ll" (LLVM IR)."""
+        if not self.backend.host_memory or self._last is None:
+            raise RuntimeError("assembly() needs a CPU kernel that was called (or "
+                               "kernel.prepare(**inputs)) first")
+        return host_source(self._last.executable, fmt)
 
     def cuda_source(self) -> str:
         if self.backend.host_memory or self._last is None:

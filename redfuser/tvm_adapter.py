@@ -115,16 +115,30 @@ def from_dlpack(tensor):
         return from_numpy(np.from_dlpack(tensor))
 
 
+MIN_REPEAT_MS = 1  # each timed repeat runs the kernel for at least this long: a single
+# call of a 0.1 ms kernel measures the thread pool's wake-up as much as the kernel
+
+
 def time_ms(executable, name: str, dev, args, repeat: int = 5) -> float:
     """Median time of one call of ``executable[name]`` in milliseconds (TVM's evaluator,
-    which synchronises the device)."""
-    timer = executable.mod.time_evaluator(name, dev, number=1, repeat=repeat, min_repeat_ms=0)
+    which synchronises the device), after one warm-up call (JIT, page faults, idle threads)."""
+    executable[name](*args)
+    timer = executable.mod.time_evaluator(name, dev, number=1, repeat=repeat,
+                                          min_repeat_ms=MIN_REPEAT_MS)
     return float(timer(*args).median) * 1e3
 
 
 def structural_equal(a, b) -> bool:
     """IR equality up to variable names (TVM's structural equality)."""
     return bool(tvm_ffi.structural_equal(a, b, map_free_vars=True))
+
+
+def host_source(executable, fmt: str = "asm") -> str:
+    """The code LLVM generated for a CPU executable: ``fmt`` "asm" (assembly) or "ll"
+    (LLVM IR), to count instructions per element in a hot loop."""
+    if fmt not in ("asm", "ll"):
+        raise ValueError(f"fmt must be 'asm' or 'll', not {fmt!r}")
+    return executable.mod.inspect_source(fmt)
 
 
 def cuda_source(executable) -> str:

@@ -126,15 +126,22 @@ def sensitivity(spec: str, twin: str, inputs: dict, rows: tuple,
                   if f"u{k}" in twin})
     base = redfuser.reference(spec, inputs)
     other = redfuser.reference(twin, moved)
-    out = {}
+    out, shaky = {}, np.zeros(rows, bool)  # rows where an earlier result has no stable digit
     with np.errstate(invalid="ignore"):
         for k in base:
             diff = np.abs(other[k] - base[k])
             same = (np.isnan(other[k]) == np.isnan(base[k])) & (np.isinf(other[k]) ==
                                                                   np.isinf(base[k]))
             # inf where a few ulps flip the reference itself to or from NaN/inf (the log of
-            # a sum that cancels to about 0): no float32 computation can be held to it there
-            out[k] = np.where(same, np.nan_to_num(diff, nan=0.0, posinf=0.0), np.inf)
+            # a sum that cancels to about 0), or move it by half its own size or more (a
+            # ratio over such a sum: no digit, sign or finiteness of it survives float32):
+            # no float32 computation can be held to it there
+            kept = same & ~(diff > 0.5 * np.abs(base[k]))
+            # a later result reading an unstable one is unstable too, even where the twin,
+            # which perturbs both alike, keeps it (sum(x - mean) / sum(x - mean))
+            kept = kept & ~shaky.reshape(shaky.shape + (1,) * (kept.ndim - shaky.ndim))
+            shaky = shaky | ~kept.reshape(rows + (-1,)).all(axis=-1)
+            out[k] = np.where(kept, np.nan_to_num(diff, nan=0.0, posinf=0.0), np.inf)
     return out
 
 

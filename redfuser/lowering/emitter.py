@@ -50,14 +50,15 @@ class Emitter(SelectSteps, SettleSteps):
 
     ``simd``: the target's float32 vector width (1 where threads, not vectors, carry the
     parallelism); feature-axis loops are vectorized that wide when no lane loop is
-    vectorized around them (a vector loop cannot nest)."""
+    vectorized around them (a vector loop cannot nest).  ``scratch``: the storage scope of
+    the kernel's own registers and caches on this target."""
 
     def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict,
-                 simd: int = 1):
+                 simd: int = 1, scratch: str = "local"):
         self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
         self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
         self.anchor_names = working_anchors(rule)
-        self.simd = simd
+        self.simd, self.scratch = simd, scratch
         self.slot_simd = simd if plan.lanes == 1 else 1  # lanes > 1: the lane loop is vector
 
     # Step 1. Reading values ---------------------------------------------------------
@@ -106,6 +107,10 @@ class Emitter(SelectSteps, SettleSteps):
         with statement_lets(T.bind):
             return to_tir(e, look, F32, self.plan.fast_math)
 
+    def states(self, lanes: int) -> States:
+        """Registers for ``lanes`` lanes, in this target's scratch scope."""
+        return States(self.rule, self.geo, lanes, self.scratch)
+
     def state_lookup(self, st: States, lane, r, slot=0, extra=None):
         vals = {n: st.get(n, lane, slot) for n in st.bufs}
         return self.base_lookup(r, None, slot, {**vals, **(extra or {})})
@@ -145,7 +150,7 @@ class Emitter(SelectSteps, SettleSteps):
         of D dependent adds would bound attention by the add latency (4 cycles per feature)."""
         d, vector = self.geo.d, self.slot_simd
         width = vector if vector > 1 and d % vector == 0 else 1
-        acc = T.alloc_buffer((width,), F32, scope="local")
+        acc = T.alloc_buffer((width,), F32, scope=self.scratch)
         with (T.vectorized(0, width) if width > 1 else Const0()) as lane:
             T.buffer_store(acc, const(0), [lane])
         with T.serial(0, d // width) as c:
@@ -295,33 +300,47 @@ class Emitter(SelectSteps, SettleSteps):
         return out
 
     # Step 4. Merge, finalize, outputs -----------------------------------------------
-    def merge(self, st: States, a, b, r):
-        """Lane a <- merge(lane a, lane b)."""
+    def merge(self, st: States, a, b, r, aligned: bool = False):
+        """Lane a <- merge(lane a, lane b).  ``aligned``: the caller guarantees both lanes are
+        held at the same working anchors, so re-anchoring is the identity (the proven
+        obligation A(a, a) = I) and a sum merges by adding, with no matrix and no exp."""
         left, right = self.held(st, a, self.anchor_names), self.held(st, b, self.anchor_names)
         moved = {}
         n_a, n_b = self._count(st, a), self._count(st, b)
         if n_a is not None:
             st.set(COUNT.name, a, n_a + n_b)
         for comp in self.rule.components:
-            if isinstance(comp, LinearComponent):
+            if isinstance(comp, LinearComponent) and aligned:
+                self._add(st, comp, a, b)
+            elif isinstance(comp, LinearComponent):
                 new = self._moved(st, a, r, comp, moved)
                 self._linear(st, comp, [(a, left, n_a), (b, right, n_b)], a, new, r, None)
             elif isinstance(comp, SelectComponent):
-                vname = comp.state[0].symbol.name
-                jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
-                if comp.k == 1 and jname is None:
-                    with self.slots(st.widths[vname]) as slot:
-                        st.set(vname, a, self._best(comp, st.get(vname, a, slot),
-                                                    st.get(vname, b, slot)), slot)
-                else:
-                    with T.serial(0, comp.k) as t:
-                        self._select_insert(st, comp, a, st.get(vname, b, t),
-                                            st.get(jname, b, t) if jname else None)
+                self.merge_select(st, comp, a, b)
             else:
                 name = comp.state[0].symbol.name
                 with self.slots(st.widths[name]) as slot:
                     st.set(name, a, st.get(name, a, slot) * st.get(name, b, slot), slot)
         self.hold(st, a, moved)
+
+    def merge_select(self, st: States, comp, a, b):
+        """Lane a <- the better of lanes a and b for a selection (insert b's list for top-k)."""
+        vname = comp.state[0].symbol.name
+        jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
+        if comp.k == 1 and jname is None:
+            with self.slots(st.widths[vname]) as slot:
+                st.set(vname, a, self._best(comp, st.get(vname, a, slot),
+                                            st.get(vname, b, slot)), slot)
+        else:
+            with T.serial(0, comp.k) as t:
+                self._select_insert(st, comp, a, st.get(vname, b, t),
+                                    st.get(jname, b, t) if jname else None)
+
+    def _add(self, st: States, comp, a, b):
+        cols = [c.name for c in comp.columns if c != COUNT]
+        with self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
+            for c in cols:
+                st.set(c, a, st.get(c, a, slot) + st.get(c, b, slot), slot)
 
     def finalize(self, st: States, r, results: dict):
         """Every result of the rule into its per-row buffer (name -> (buffer, width)), after

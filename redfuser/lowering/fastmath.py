@@ -111,9 +111,10 @@ def _pow2(n):
 
 
 def _exp_body(x):
-    # Clamp with min/max (cheap for TVM's simplifier, unlike nested Selects); past the top
-    # the result overflows to inf by itself (2**64 * 2**64 * p), and a NaN x is answered by
-    # the last Select whatever the clamp made of it.
+    # Clamp with two flat Selects written so that a NaN passes through (``lo if x < lo else
+    # x``: x86 max/min return their second operand on NaN, so LLVM emits one vmaxps/vminps
+    # each): the NaN then flows through the polynomial to the result with no test of its
+    # own.  Past the top the result overflows to inf by itself (2**64 * 2**64 * p).
     def reduced(xc, n):  # exp(r) for r = xc - n*ln2 in [-ln2/2, ln2/2], then scale by 2**n
         def poly(r):
             p = _horner(r, _EXP_P) * (r * r) + r + _f(1.0)
@@ -125,9 +126,11 @@ def _exp_body(x):
 
     def select(xc):  # the Let outermost: TVM's vectorizer mishandles Lets under a Select
         y = let(tirx.floor(xc * _f(_LOG2E) + _f(0.5)), lambda n: reduced(xc, n), "exp_n")
-        return tirx.Select(isnan(x), x, tirx.Select(x < _f(_EXP_LO), _f(0.0), y))
+        return tirx.Select(x < _f(_EXP_LO), _f(0.0), y)
 
-    return let(tirx.min(tirx.max(x, _f(_EXP_LO)), _f(_EXP_TOP)), select, "exp_c")
+    low = tirx.Select(x < _f(_EXP_LO), _f(_EXP_LO), x)
+    return let(low, lambda xl: let(tirx.Select(xl > _f(_EXP_TOP), _f(_EXP_TOP), xl), select,
+                                   "exp_c"), "exp_l")
 
 
 def fast_exp(x):

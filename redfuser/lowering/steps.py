@@ -26,9 +26,9 @@ class SelectSteps:
         np.argmax), then the better value, then the lower index; an empty slot (index
         sentinel) takes anything.  The same order as algebra.components.rank_order."""
         gt = (v > sv) if comp.direction > 0 else (v < sv)
+        if j is None:  # a NaN v wins; a NaN sv stays (v > NaN is false): NaN is sticky
+            return tirx.Or(isnan(v), gt)
         nan_v, nan_s = isnan(v), isnan(sv)
-        if j is None:
-            return tirx.Or(tirx.And(nan_v, tirx.Not(nan_s)), gt)
         lower = j < sj
         empty = sj == tirx.const(INDEX_SENTINEL, I64)
         by_nan = tirx.And(nan_v, tirx.Or(tirx.Not(nan_s), lower))
@@ -53,8 +53,8 @@ class SelectSteps:
             st.set(vname, lane, tirx.Select(b, v, sv))
             st.set(jname, lane, tirx.Select(b, j, sj))
             return
-        cur_v = T.alloc_buffer((1,), F32, scope="local")
-        cur_j = T.alloc_buffer((1,), I64, scope="local")
+        cur_v = T.alloc_buffer((1,), F32, scope=self.scratch)
+        cur_j = T.alloc_buffer((1,), I64, scope=self.scratch)
         T.buffer_store(cur_v, v, [0])
         T.buffer_store(cur_j, j if jname else tirx.const(0, I64), [0])
         with T.serial(0, comp.k) as t:
@@ -83,7 +83,10 @@ class SettleSteps:
         same = all_of([held[a] == true[a] for a in names])
         degree = comp.compiled("degree", comp.shift_degrees)
         cols = [c.name for c in comp.columns]
-        with self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
+        # a branch, not a Select: where the anchors did not move (the common case) the
+        # settling products and their exp are not computed at all
+        with T.If(tirx.Not(same)), T.Then(), \
+                self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
             look = self.state_lookup(st, 0, r, slot, {
                 **held, **{primed(a).name: true[a.name] for a in comp.anchors}})
             values = {}
@@ -95,7 +98,7 @@ class SettleSteps:
                     values[name] = T.bind(tirx.Select(tirx.Or(same, finite), _total(terms),
                                                       _dominant(terms)))
             for name, v in values.items():
-                st.set(name, 0, tirx.Select(same, st.get(name, 0, slot), v), slot)
+                st.set(name, 0, v, slot)
 
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from algebra import derive
 
 from ..lowering import Plan, shape_geometry
-from ..lowering.cpu.plan import LANES, TILE
+from ..lowering.cpu.plan import FOLD_LANES, LANES, TILE_ELEMENTS
 from ..runtime import allocate_outputs, build, random_inputs, time_built
 from ..tvm_adapter import cpu_target, cuda_device_name, default_threads
 from .db import cache_dir, read_json_checked, write_json_atomic
@@ -176,13 +176,13 @@ def measure_cpu(name: str) -> Machine:
 
 
 def _arithmetic(threads: int) -> dict[str, float]:
-    """Seconds per op, per call and per chain step, in LANES lanes and in one (data in
-    cache)."""
+    """Seconds per op, per call and per chain step, in FOLD_LANES lanes (the CPU plan's) and
+    in one (data in cache)."""
     shape = {"x": (64, 4096)}  # 1 MB: in cache, so arithmetic is what is timed
     per = threads / (64 * 4096) / 1e3  # ms of the whole call -> s per element and thread
     extra_ops = element_work(POLY).ops - element_work("s = sum(x[i])").ops
     out = {}
-    for lanes, tag in ((LANES, "vec"), (1, "scalar")):
+    for lanes, tag in ((FOLD_LANES, "vec"), (1, "scalar")):
         base = _time("s = sum(x[i])", shape, lanes)
         if lanes == 1:  # one add per element, each waiting for the previous one
             out["chain_op"] = base * per
@@ -195,7 +195,8 @@ def _time(spec: str, shapes: dict, lanes: int) -> float:
     """Best of three medians (ms) of ``spec``'s rolling kernel with ``lanes`` lanes."""
     rule = derive(spec)
     geo = shape_geometry(rule, shapes)
-    plan = Plan("rolling", lanes, 1, True, "calibration", tile=TILE if lanes > 1 else 1)
+    tile = min(TILE_ELEMENTS, geo.n) // lanes if lanes > 1 else 1  # the CPU plan's tiles
+    plan = Plan("rolling", lanes, 1, True, "calibration", tile=tile)
     built = build(rule, geo, plan)
     args = random_inputs(geo) + list(allocate_outputs(rule, geo).values())
     time_built(built, args, repeat=1)  # warm-up: JIT and page faults

@@ -40,20 +40,20 @@ import numpy as np
 from algebra.components import LinearComponent
 
 from ..lowering import VARIANTS, Geometry, Plan, choose
-from ..lowering.cpu.plan import LANES, vector_lanes
+from ..lowering.cpu.plan import LANES, TILE_ELEMENTS, vector_lanes
 from ..lowering.cuda.plan import threads_for
 from ..tvm_adapter import default_threads
 from .work import rule_work
 
 TUNED = ("variant", "lanes", "tile", "splits", "threads", "row_block")  # Plan fields searched
-LANE_VALUES = (1, 4, 8, 16, 32)
-TILES_LANES = (1, 2, 4, 8, 16)  # lanes > 1: elements per lane per tile
+LANE_VALUES = (1, 16, 32, 64)
+TILES_LANES = (8, 32, 128)  # lanes > 1: elements per lane per tile
 TILES_ONE = (1, 4, 8, 16, 32)  # one lane: elements per tile (attention's keys)
 SPLIT_VALUES = (2, 4, 8, 16, 32, 64)
 ROW_BLOCKS = (1, 2, 4, 8)
 CUDA_THREADS = (32, 64, 128, 256, 512, 1024)
 MIN_PIECE = 32  # elements of a split piece: shorter ones cost more to merge than they save
-MAX_TILE_ELEMENTS = 256  # lanes x tile: beyond it a tile's registers spill
+MAX_TILE_ELEMENTS = TILE_ELEMENTS  # lanes x tile: beyond it a tile's passes leave L1
 
 
 @dataclass(frozen=True)
@@ -198,12 +198,10 @@ def _cuda_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param
 
 def _valid(plan: Plan, geo: Geometry) -> bool:
     """Constraints between parameters: a tile fits the stream and the registers, a split
-    piece holds two tiles, lanes > 1 tile only in TILES_LANES (one lane: TILES_ONE)."""
+    piece holds two tiles."""
     step = plan.lanes * plan.tile
-    if step > MAX_TILE_ELEMENTS or 2 * step > geo.n:
+    if step > MAX_TILE_ELEMENTS or step > geo.n:
         return step == 1
-    if plan.lanes > 1 and plan.tile not in TILES_LANES:
-        return False
     if plan.variant == "split" and geo.n // plan.splits < 2 * step:
         return False
     return plan.row_block == 1 or plan.tile > 1

@@ -19,7 +19,7 @@ tile and the derived merge pays the rescale once per tile instead of once per el
 
 from __future__ import annotations
 
-from algebra.components import COUNT, LinearComponent
+from algebra.components import COUNT, LinearComponent, SelectComponent
 from algebra.rule import FusionRule
 
 from ...tvm_adapter import T, tirx
@@ -44,6 +44,35 @@ def levels(rule: FusionRule) -> list[list]:
     return out
 
 
+def lane_aligned(rule: FusionRule) -> bool:
+    """Whether the lanes of a tiled fold can share their working anchors: every state an
+    anchor reads is a single best value (max/min, arg or not), which is idempotent, so the
+    tile's best can be written into every lane without counting anything twice.  Lanes
+    held at one anchor then merge by adding (``Emitter.merge(aligned=True)``): no exp."""
+    single = {s.symbol.name for c in rule.components
+              if isinstance(c, SelectComponent) and c.k == 1 for s in c.state}
+    states = {s.symbol.name for s in rule.state}
+    read = {sym.name for c in rule.components if isinstance(c, LinearComponent)
+            for a in c.anchors for sym in rule.running[a.name].free_symbols}
+    return bool(read & states) and read & states <= single
+
+
+def _share_best(em: Emitter, st: States, level, lanes: int, at: int):
+    """Write the tile's best of each single selection of ``level`` into all its lanes
+    ``at .. at + lanes`` (a halving tree, then a broadcast): their anchors are then equal."""
+    for comp in level:
+        if not (isinstance(comp, SelectComponent) and comp.k == 1):
+            continue
+        half = lanes // 2
+        while half >= 1:
+            with _lane_loop(half) as lane:
+                em.merge_select(st, comp, at + lane, at + lane + half)
+            half //= 2
+        with _lane_loop(lanes) as lane:
+            for s in comp.state:
+                st.set(s.symbol.name, at + lane, st.get(s.symbol.name, at))
+
+
 def _lane_loop(lanes: int):
     """A vectorized loop over the lanes; none for one lane (the slot loop inside may then
     be the vectorized one: vector loops cannot nest)."""
@@ -56,23 +85,31 @@ def _start(st: States, lane, tile: int):
         st.set(COUNT.name, lane, tirx.const(float(tile), F32))
 
 
-def tile(em: Emitter, st: States, r, base, lanes: int, size: int):
-    """One row: lanes [lanes, 2 lanes) hold the tile of lanes x size elements."""
+def tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool = False,
+         first: bool = False):
+    """One row: lanes [lanes, 2 lanes) hold the tile of lanes x size elements, merged into
+    the running lanes [0, lanes) at the end.  ``first``: the row's first tile, folded
+    straight into the running lanes (they hold the identity: the merge would be a copy).
+    ``aligned`` (``lane_aligned``): each level's single selections are shared by all lanes."""
+    at = 0 if first else lanes
     dots = tile_dots(em, [r], base, lanes * size)[0] if lanes == 1 else None
     with _lane_loop(lanes) as lane:
-        _start(st, lanes + lane, size)
+        _start(st, at + lane, size)
     for level in levels(em.rule):
         with _lane_loop(lanes) as lane:
-            _hold(em, st, level, lanes + lane, r)
-        bases = tile_bases(em, st, level, r, base, size, dots) if lanes == 1 else \
+            _hold(em, st, level, at + lane, r)
+        bases = tile_bases(em, st, level, r, base, size, dots, at) if lanes == 1 else \
             [None] * len(level)
         with T.serial(0, size) as k:
             with _lane_loop(lanes) as lane:
                 for comp, pre in zip(level, bases, strict=True):
-                    em.tile_step(st, comp, lanes + lane, base + k * lanes + lane, r,
+                    em.tile_step(st, comp, at + lane, base + k * lanes + lane, r,
                                  dots(k) if dots else {}, pre and (pre[0], pre[1](k)))
-    with _lane_loop(lanes) as lane:
-        em.merge(st, lane, lanes + lane, r)
+        if aligned:
+            _share_best(em, st, level, lanes, at)
+    if not first:
+        with _lane_loop(lanes) as lane:
+            em.merge(st, lane, lanes + lane, r)
 
 
 def tile_rows(em: Emitter, sts: list, rows: list, base, size: int):
@@ -140,7 +177,7 @@ def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
     found = rule_dots(em.rule)
     if not found:
         return [None] * len(rows)
-    caches = [T.alloc_buffer((len(found), count), F32, scope="local") for _ in rows]
+    caches = [T.alloc_buffer((len(found), count), F32, scope=em.scratch) for _ in rows]
     for j, dot in enumerate(found):
         # the tile's elements in the vector lanes, the feature axis outermost: no horizontal
         # sums, and each (strided) load of the stream serves every row of the block
@@ -157,7 +194,8 @@ def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
             for cache in caches]
 
 
-def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots) -> list:
+def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots,
+               lane: int = 1) -> list:
     """One-lane tiles: the slot-invariant parts of the bases of ``comps`` for every element
     of the tile, in one loop vectorized over the elements (attention's exp(s - m) for 16
     keys at once instead of one scalar exp per key).  Returns, per comp, None or (basis
@@ -167,11 +205,11 @@ def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots) -> lis
     parts = [(e, sym) for one in split if one for e, sym in one[1].items()]
     if not parts:
         return [None] * len(comps)
-    cache = T.alloc_buffer((len(parts), count), F32, scope="local")
+    cache = T.alloc_buffer((len(parts), count), F32, scope=em.scratch)
     names = sorted({a.name for c in comps for a in c.anchors if isinstance(c, LinearComponent)})
     with T.vectorized(0, count) as k:
         look = em.base_lookup(r, base + k, 0, {**(dots(k) if dots else {}),
-                                               **em.held(st, 1, names)})
+                                               **em.held(st, lane, names)})
         for j, (e, _) in enumerate(parts):
             T.buffer_store(cache, em.expr(e, look), [j, k])
     column = {sym: j for j, (_, sym) in enumerate(parts)}

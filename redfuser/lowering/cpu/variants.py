@@ -16,14 +16,14 @@ from ..emitter import Emitter
 from ..geometry import Geometry
 from ..nests import copy_state, epilogue_values, stages, store_results, workspace
 from ..plan import Plan
-from ..registers import States
+from ..registers import Const0, States
 from ..signature import I64
 from . import tiles
-from .plan import LANES, vector_lanes
+from .plan import LANES, REGISTER_SCOPE, vector_lanes
 
 
 def _emitter(rule, geo, plan, bufs, rowvals) -> Emitter:
-    return Emitter(rule, geo, plan, bufs, rowvals, simd=LANES)
+    return Emitter(rule, geo, plan, bufs, rowvals, simd=LANES, scratch=REGISTER_SCOPE)
 
 
 def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
@@ -38,18 +38,26 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
         with T.serial(0, length) as t:
             em.update(st, 0, start + t, r)
         return
-    with T.serial(0, tirx.floordiv(length, step)) as c:
+    aligned = tile > 1 and lanes > 1 and tiles.lane_aligned(em.rule)
+    first = 0
+    if tile > 1 and isinstance(length, tirx.IntImm) and length.value >= step:
+        tiles.tile(em, st, r, start, lanes, tile, aligned, first=True)
+        first = 1  # a static length with a whole tile: peel it (no merge into the identity)
+    with T.serial(first, tirx.floordiv(length, step)) as c:
         base = start + c * step
         if tile > 1:
-            tiles.tile(em, st, r, base, lanes, tile)
+            tiles.tile(em, st, r, base, lanes, tile, aligned)
         else:
             with T.vectorized(0, lanes) as lane:
                 em.update(st, lane, base + lane, r)
+    half = lanes // 2
+    while half >= 1:  # a tree: log2(lanes) dependent merges, each vectorized over half
+        with (T.vectorized(0, half) if half > 1 else Const0()) as lane:
+            em.merge(st, lane, lane + half, r, aligned)
+        half //= 2
+    # the tail after the lanes merged: it moves lane 0's anchors, which would unalign them
     with T.serial(tirx.floordiv(length, step) * step, length) as t:
         em.update(st, 0, start + t, r)
-    if lanes > 1:
-        with T.serial(1, lanes) as lane:  # a loop, not unrolled: one copy of the merge
-            em.merge(st, 0, lane, r)
 
 
 def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
@@ -57,7 +65,7 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
     if plan.row_block > 1:
         return _rolling_blocks(em, geo, plan, results, elementwise)
     with T.parallel(0, geo.r) as r:
-        st = States(rule, geo, 2 * plan.lanes)
+        st = em.states(2 * plan.lanes)
         for lane in range(plan.lanes):
             st.init(lane)
         _fold(em, st, r, tirx.const(0, I64), tirx.const(geo.n, I64), plan.lanes, plan.tile)
@@ -72,7 +80,7 @@ def _rolling_blocks(em: Emitter, geo: Geometry, plan: Plan, results, elementwise
     size, block = plan.tile, plan.row_block
     with T.parallel(0, -(-geo.r // block)) as b:
         rows = [T.bind(tirx.min(b * block + j, geo.r - 1)) for j in range(block)]
-        sts = [States(em.rule, geo, 2) for _ in rows]
+        sts = [em.states(2) for _ in rows]
         for st in sts:
             st.init(0)
         with T.serial(0, geo.n // size) as c:
@@ -91,7 +99,7 @@ def split(rule, geo, plan, bufs, results, elementwise):
     work = workspace(rule, geo, geo.r * s)
     with T.parallel(0, geo.r * s) as rs:
         r, piece = tirx.floordiv(rs, s), tirx.floormod(rs, s)
-        st = States(rule, geo, 2 * plan.lanes)
+        st = em.states(2 * plan.lanes)
         for lane in range(plan.lanes):
             st.init(lane)
         start = piece * chunk
@@ -99,7 +107,7 @@ def split(rule, geo, plan, bufs, results, elementwise):
         _fold(em, st, r, start, length, plan.lanes, plan.tile)
         copy_state(st, work, 0, rs, to_work=True)
     with T.parallel(0, geo.r) as r:
-        st = States(rule, geo, 2)
+        st = em.states(2)
         copy_state(st, work, 0, r * s, to_work=False)
         with T.serial(1, s) as piece:
             copy_state(st, work, 1, r * s + piece, to_work=False)
