@@ -13,6 +13,7 @@ from .interpret import run
 from .numeric import compile_expr
 from .prove import Obligation
 from .spec import INDEX, Cascade
+from .stash import Stash, stashes, tile_anchor
 
 COUNT_STATE = StateVar(COUNT, sp.S.Zero, "number of elements folded in (N at the end)", "count")
 
@@ -72,6 +73,22 @@ class FusionRule:
     def elementwise_lines(self) -> list[tuple[object, object]]:
         return [(f"{n}[{INDEX}]", e) for n, e in self.cascade.elementwise.items()]
 
+    @property
+    def stashes(self) -> dict[str, Stash]:
+        """Per-element outputs the statistics pass can write as it goes (``algebra.stash``),
+        each with its proven identity."""
+        return self.compiled("stashes", lambda: stashes(self.cascade, self.components))
+
+    def stash_lines(self) -> list[tuple[object, object]]:
+        out = []
+        for n, s in self.stashes.items():
+            psi = self.components[s.component].basis[s.column]
+            at_tile = {a: tile_anchor(a) for a in self.components[s.component].anchors}
+            anchors = ", ".join(map(str, at_tile.values()))
+            out.append((f"{n}[{INDEX}]", f"({psi.subs(at_tile)}) * ({s.factor})    # the pass "
+                        f"writes the first factor, at its anchors {anchors}"))
+        return out
+
     # Step 2. How to show it ---------------------------------------------------------
     def sections(self) -> list[tuple[str, list[tuple[object, object]]]]:
         return [
@@ -81,6 +98,7 @@ class FusionRule:
             ("merge (two partial states L, R)", self.merge_lines()),
             ("finalize (n = N)", self.finalize_lines()),
             ("per element (second pass over the stream)", self.elementwise_lines()),
+            ("stash (per-element outputs written by the statistics pass)", self.stash_lines()),
         ]
 
     def __str__(self) -> str:
@@ -97,6 +115,8 @@ class FusionRule:
         out.append("proof:")
         out += [f"  [{'proven' if ok else 'FAILED'}] {o.name}: {o.statement()}"
                 for o, ok in zip(self.obligations, self.status, strict=True)]
+        out += [f"  [proven] {s.obligation.name}: {s.obligation.statement()}"
+                for s in self.stashes.values()]  # only proven stashes are kept
         return "\n".join(out)
 
     def to_latex(self) -> str:

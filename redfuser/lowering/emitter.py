@@ -25,6 +25,7 @@ import sympy as sp
 from algebra.components import COUNT, LinearComponent, SelectComponent, primed
 from algebra.rule import FusionRule
 from algebra.spec import INDEX, LENGTH
+from algebra.stash import tile_anchor
 
 from ..tvm_adapter import LEAVES, T, tirx
 from .fastmath import isfinite, statement_lets
@@ -58,7 +59,11 @@ class Emitter(SelectSteps, SettleSteps):
         self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
         self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
         self.anchor_names = working_anchors(rule)
+        self.components, self.aliases = folded(rule)
         self.simd, self.scratch = simd, scratch
+        self.stashed: dict[int, list] = {}  # id(component) -> [(column, output buffer)]
+        self.stash_end = 0  # elements [0, stash_end) of each row hold stashed values
+        self.stash_anchors: dict = {}  # tile anchor symbol -> the value they were written at
         self.slot_simd = simd if plan.lanes == 1 else 1  # lanes > 1: the lane loop is vector
 
     # Step 1. Reading values ---------------------------------------------------------
@@ -113,6 +118,7 @@ class Emitter(SelectSteps, SettleSteps):
 
     def state_lookup(self, st: States, lane, r, slot=0, extra=None):
         vals = {n: st.get(n, lane, slot) for n in st.bufs}
+        vals.update({n: vals[twin] for n, twin in self.aliases.items()})
         return self.base_lookup(r, None, slot, {**vals, **(extra or {})})
 
     def running(self, st, lane, r, names):
@@ -181,7 +187,7 @@ class Emitter(SelectSteps, SettleSteps):
         count = self._count(st, lane)
         if count is not None:
             st.set(COUNT.name, lane, count + const(1))
-        for comp in self.rule.components:
+        for comp in self.components:
             if isinstance(comp, LinearComponent):
                 new = self._moved(st, lane, r, comp, moved)
                 self._linear(st, comp, [(lane, old, count)], lane, new, r,
@@ -199,8 +205,12 @@ class Emitter(SelectSteps, SettleSteps):
             cols = [c.name for c in comp.columns]
             width = max(st.widths.get(c, 1) for c in cols)
             fresh = self.fresh(comp, r, i, anchors, dots or {}, basis)
+            stash = dict(self.stashed.get(id(comp), ()))
             with self.slots(width) as slot:
-                for c, value in zip(cols, fresh(slot), strict=True):
+                for k, (c, value) in enumerate(zip(cols, fresh(slot), strict=True)):
+                    if k in stash:  # the basis value is also the output's first factor
+                        value = T.bind(value)
+                        T.buffer_store(stash[k], value, [r, i, slot])
                     if c != COUNT.name:
                         st.set(c, lane, st.get(c, lane, slot) + value, slot)
         else:
@@ -211,7 +221,7 @@ class Emitter(SelectSteps, SettleSteps):
         same step inside and outside tiles, since neither is re-anchored."""
         if isinstance(comp, SelectComponent):
             g = self.expr(comp.core, self.base_lookup(r, i, 0, dots))
-            self._select_insert(st, comp, lane, g, tirx.Cast(I64, i))
+            self._select_insert(st, comp, lane, g, tirx.Cast(I64, i), ascending=True)
             return
         name = comp.state[0].symbol.name
         with self.slots(st.widths[name]) as slot:
@@ -300,16 +310,19 @@ class Emitter(SelectSteps, SettleSteps):
         return out
 
     # Step 4. Merge, finalize, outputs -----------------------------------------------
-    def merge(self, st: States, a, b, r, aligned: bool = False):
+    def merge(self, st: States, a, b, r, aligned: bool = False, tile: bool = False):
         """Lane a <- merge(lane a, lane b).  ``aligned``: the caller guarantees both lanes are
         held at the same working anchors, so re-anchoring is the identity (the proven
-        obligation A(a, a) = I) and a sum merges by adding, with no matrix and no exp."""
+        obligation A(a, a) = I) and a sum merges by adding, with no matrix and no exp.
+        ``tile``: b is a tile, whose top-k lists were folded straight into a (``direct``)."""
         left, right = self.held(st, a, self.anchor_names), self.held(st, b, self.anchor_names)
         moved = {}
         n_a, n_b = self._count(st, a), self._count(st, b)
         if n_a is not None:
             st.set(COUNT.name, a, n_a + n_b)
-        for comp in self.rule.components:
+        for comp in self.components:
+            if tile and direct(comp):
+                continue
             if isinstance(comp, LinearComponent) and aligned:
                 self._add(st, comp, a, b)
             elif isinstance(comp, LinearComponent):
@@ -345,7 +358,7 @@ class Emitter(SelectSteps, SettleSteps):
     def finalize(self, st: States, r, results: dict):
         """Every result of the rule into its per-row buffer (name -> (buffer, width)), after
         the states settle at the true final anchors."""
-        for comp in self.rule.components:
+        for comp in self.components:
             if isinstance(comp, LinearComponent) and comp.anchors:
                 self._settle(st, comp, r)
         for name, expr in self.rule.running.items():
@@ -356,12 +369,31 @@ class Emitter(SelectSteps, SettleSteps):
                 T.buffer_store(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
                                [r, slot])
 
-    def _per_row(self, expr: sp.Expr, r):
+    # Stashed per-element outputs (``algebra.stash``) ----------------------------------
+    def stash_into(self, outs: dict, end: int):
+        """The statistics pass writes each stashable output's basis value into ``outs[name]``
+        for elements [0, ``end``) (the caller folds them all at one set of anchors)."""
+        for name, s in self.rule.stashes.items():
+            if outs[name].shape[2] == 1:  # a scalar basis value fills a scalar output
+                comp = self.rule.components[s.component]
+                self.stashed.setdefault(id(comp), []).append((s.column, outs[name]))
+        self.stash_end = end if self.stashed else 0
+
+    def keep_stash_anchors(self, st: States):
+        """Bind the anchors the stashed values were written at (lane 0's working anchors,
+        before anything folded later moves them)."""
+        comps = [c for c in self.rule.components if id(c) in self.stashed]
+        self.stash_anchors = {tile_anchor(a): T.bind(st.get(work(a.name), 0))
+                              for c in comps for a in c.anchors}
+
+    def _per_row(self, expr: sp.Expr, r, varying: frozenset = frozenset(), known=None):
         """``expr`` with its largest element-invariant parts replaced by symbols bound to
-        their per-row values (mapped in the returned lookup)."""
-        per_element = {INDEX} | set(self.geo.vec) | {
+        their per-row values (mapped in the returned lookup); ``varying``: more names that
+        change with the element, ``known``: more per-row values."""
+        per_element = {INDEX} | set(self.geo.vec) | set(varying) | {
             k for k, g in self.geo.inputs.items() if g.length > 1}
-        (out,), values = self._hoist([expr], per_element, self.base_lookup(r), per_slot=False)
+        (out,), values = self._hoist([expr], per_element, self.base_lookup(r, extra=known),
+                                     per_slot=False)
         return out, values
 
     def elementwise(self, r, outs: dict, start=0, step: int = 1):
@@ -369,33 +401,75 @@ class Emitter(SelectSteps, SettleSteps):
         with ``simd`` > 1 (step 1) the element loop is vectorized in ``simd``-wide chunks.
         Parts of an output that do not depend on the element (``1/d`` of softmax) are
         computed once per row."""
+        stashed = {name for name, buf in outs.items()
+                   if any(b is buf for comp in self.stashed.values() for _, b in comp)}
         for name, expr in self.rule.cascade.elementwise.items():
-            expr, hoisted = self._per_row(expr, r)
-            buf = outs[name]
-            width = buf.shape[2]
+            first = 0
+            if name in stashed:  # finish the stashed values: one multiply each
+                self._outputs(r, outs[name], STASHED * self.rule.stashes[name].factor, 0,
+                              self.stash_end, {STASHED: outs[name]}, self.stash_anchors)
+                first = self.stash_end
+            self._outputs(r, outs[name], expr, first, self.geo.n, {}, {}, start, step)
 
-            def store(i, slot, buf=buf, expr=expr, hoisted=hoisted):
-                T.buffer_store(buf, self.expr(expr, self.base_lookup(r, i, slot, hoisted)),
-                               [r, i, slot])
+    def _outputs(self, r, buf, expr, lo: int, hi: int, reads: dict, known: dict,
+                 start=0, step: int = 1):
+        """buf[r, i] = expr for elements lo <= i < hi (start, start + step, ... with CUDA's
+        strided threads); ``reads``: symbols standing for a buffer's value at the element,
+        ``known``: symbols with per-row values."""
+        expr, hoisted = self._per_row(expr, r, frozenset(s.name for s in reads), known)
+        width = buf.shape[2]
 
-            vector = self.simd
-            if vector > 1 and width == 1 and self.geo.n >= vector:
-                full = self.geo.n // vector * vector
-                with T.serial(0, full // vector) as c:
-                    with T.vectorized(0, vector) as lane:
-                        store(c * vector + lane, 0)
-                with T.serial(full, self.geo.n) as i:
-                    store(i, 0)
-                continue
-            count = self.geo.n if step == 1 else tirx.ceildiv(self.geo.n - start, step)
-            with T.serial(0, count) as c:
-                i = c if step == 1 else start + c * step
-                if width > 1 and vector > 1:
-                    with T.vectorized(0, width) as slot:
-                        store(i, slot)
-                else:
-                    with self.slots(width) as slot:
-                        store(i, slot)
+        def store(i, slot):
+            values = {s: b[r, i, slot] for s, b in reads.items()}
+            look = self.base_lookup(r, i, slot, {**hoisted, **values})
+            T.buffer_store(buf, self.expr(expr, look), [r, i, slot])
+
+        vector = self.simd
+        if vector > 1 and width == 1 and step == 1 and hi - lo >= vector:
+            full = lo + (hi - lo) // vector * vector
+            with T.serial(0, (full - lo) // vector) as c:
+                with T.vectorized(0, vector) as lane:
+                    store(lo + c * vector + lane, 0)
+            with T.serial(full, hi) as i:
+                store(i, 0)
+            return
+        count = hi - lo if step == 1 else tirx.ceildiv(hi - start, step)
+        with T.serial(0, count) as c:
+            i = lo + c if step == 1 else start + c * step
+            if width > 1 and vector > 1:
+                with T.vectorized(0, width) as slot:
+                    store(i, slot)
+            else:
+                with self.slots(width) as slot:
+                    store(i, slot)
+
+
+def folded(rule: FusionRule) -> tuple[list, dict[str, str]]:
+    """The components the kernel folds, and the states it reads from a twin instead: a
+    selection of values only (``topk(g, k)``, ``max(g)``) whose twin selects the same g, k
+    and direction with indices (``argtopk(g, k)``) holds exactly the twin's values, so it is
+    not folded a second time."""
+    selects = [c for c in rule.components if isinstance(c, SelectComponent)]
+    aliases, skip = {}, set()
+    for c in selects:
+        twin = next((t for t in selects if len(c.state) == 1 and len(t.state) == 2 and
+                     (t.core, t.direction, t.k) == (c.core, c.direction, c.k)), None)
+        if twin is not None:
+            aliases[c.state[0].symbol.name] = twin.state[0].symbol.name
+            skip.add(id(c))
+    return [c for c in rule.components if id(c) not in skip], aliases
+
+
+def direct(comp) -> bool:
+    """A top-k list is folded straight into the running lane, never in a tile of its own: it
+    is not re-anchored, so a tile would gain nothing, and a tile's empty list would take
+    almost every element (k of each tile's elements at least) where the running list
+    refuses most with one test against its k-th entry."""
+    return isinstance(comp, SelectComponent) and comp.k > 1
+
+
+STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
+# user's name)
 
 
 def _matrix_items(comp):

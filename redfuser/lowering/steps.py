@@ -40,7 +40,15 @@ class SelectSteps:
         a, b = (v if isinstance(v, LEAVES) else T.bind(v) for v in (a, b))
         return tirx.Select(self._better(comp, b, None, a, None), b, a)
 
-    def _select_insert(self, st, comp, lane, v, j):
+    def _before_last(self, comp, v, j, sv, sj):
+        """(v, j) ranks before the list's last entry (sv, sj), for an element folded after
+        every element already in the list (a pass over increasing indices): a tie then never
+        wins, so the test is an empty slot, or a NaN or better value against a non-NaN one."""
+        gt = (v > sv) if comp.direction > 0 else (v < sv)
+        empty = sj == tirx.const(INDEX_SENTINEL, I64)
+        return tirx.Or(empty, tirx.And(tirx.Not(isnan(sv)), tirx.Or(isnan(v), gt)))
+
+    def _select_insert(self, st, comp, lane, v, j, ascending: bool = False):
         vname = comp.state[0].symbol.name
         jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
         if comp.k == 1 and jname is None:
@@ -53,23 +61,41 @@ class SelectSteps:
             st.set(vname, lane, tirx.Select(b, v, sv))
             st.set(jname, lane, tirx.Select(b, j, sj))
             return
-        cur_v = T.alloc_buffer((1,), F32, scope=self.scratch)
-        cur_j = T.alloc_buffer((1,), I64, scope=self.scratch)
-        T.buffer_store(cur_v, v, [0])
-        T.buffer_store(cur_j, j if jname else tirx.const(0, I64), [0])
-        with T.serial(0, comp.k) as t:
-            sj = st.get(jname, lane, t) if jname else None
-            with T.If(self._better(comp, cur_v[0], cur_j[0] if jname else None,
-                                   st.get(vname, lane, t), sj)):
-                with T.Then():
-                    tv = T.bind(st.get(vname, lane, t))
-                    st.set(vname, lane, cur_v[0], t)
-                    T.buffer_store(cur_v, tv, [0])
-                    if jname:
-                        tj = T.bind(sj)
-                        st.set(jname, lane, cur_j[0], t)
-                        T.buffer_store(cur_j, tj, [0])
+        self._insert_k(st, comp, lane, v, j, vname, jname, ascending)
 
+    def _insert_k(self, st, comp, lane, v, j, vname, jname, ascending: bool):
+        """Insert (v, j) into a sorted top-k list.  Most elements do not rank before the last
+        slot and are refused by that one test; for the rest, the slots that rank before the
+        element form a prefix (the list is sorted), so every slot t at once keeps its entry,
+        takes the element, or takes slot t - 1's: no loop-carried dependence, no branch.
+        ``ascending``: j is above every index in the list (``_before_last``)."""
+        k, last = comp.k, comp.k - 1
+        v = v if isinstance(v, LEAVES) else T.bind(v)
+        j = (j if isinstance(j, LEAVES) else T.bind(j)) if jname else None
+
+        def old(name, t):
+            return st.get(name, lane, t) if name else None
+
+        first = self._before_last if ascending and jname else self._better  # the cheap test
+        with T.If(first(comp, v, j, old(vname, last), old(jname, last))), T.Then():
+            new = {n: T.alloc_buffer((k,), I64 if n == jname else F32, scope=self.scratch)
+                   for n in (vname, jname) if n}
+            # serial loops: TVM's vectorizer miscompiles this one (every slot got the element)
+            # and CUDA has no vector of 8 int64s; LLVM's SLP vectorizer takes them as they are
+            with T.serial(0, k) as t:
+                prev = tirx.max(t - 1, 0)
+                for name, mine in ((vname, v), (jname, j)):
+                    if name is None:
+                        continue
+                    # conditions inline: TVM cannot let-bind a vector of booleans
+                    keep = self._better(comp, old(vname, t), old(jname, t), v, j)
+                    came = tirx.Or(t == 0, self._better(comp, old(vname, prev),
+                                                        old(jname, prev), v, j))
+                    T.buffer_store(new[name], tirx.Select(keep, old(name, t), tirx.Select(
+                        came, mine, old(name, prev))), [t])
+            with T.serial(0, k) as t:
+                for name, buf in new.items():
+                    st.set(name, lane, buf[t], t)
 
 
 class SettleSteps:

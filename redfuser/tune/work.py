@@ -188,7 +188,7 @@ def _rule_work(rule, geo: Geometry) -> RuleWork:
         shared_count(list(rule.running.values()), vec), _elementwise_work(rule, geo),
         tuple(count(r.body, vec) + _reduce_ops(r.k) for r in reds), _stage_lanes(rule, geo),
         any(isinstance(c, LinearComponent) and c.anchors for c in rule.components),
-        sum(max(map(_chain, level)) for level in levels(rule)),
+        sum(max(map(_chain, level)) for level in levels(rule, rule.components)),
         tuple(_chain_of(r.op, r.k) for r in reds),
         float(sum(g.width > 1 and g.length > 1 for g in geo.inputs.values())), float(wide),
         float(len(set().union(*(e.atoms(Dot) for e in fold)))))

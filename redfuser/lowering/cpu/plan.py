@@ -10,6 +10,8 @@ per-row scalar (no feature axis, no dot product, no top-k insertion).
 
 from __future__ import annotations
 
+import dataclasses
+
 from algebra.components import LinearComponent, SelectComponent
 from algebra.functions import Dot
 from algebra.rule import FusionRule
@@ -63,6 +65,28 @@ def tile_for(rule: FusionRule, lanes: int, n: int) -> int:
     return KEY_TILE if anchored else 1
 
 
+def lane_aligned(rule: FusionRule) -> bool:
+    """Whether the lanes of a tiled fold can share their working anchors: every state an
+    anchor reads is a single best value (max/min, arg or not), which is idempotent, so the
+    tile's best can be written into every lane without counting anything twice.  Lanes
+    held at one anchor then merge by adding (``Emitter.merge(aligned=True)``): no exp."""
+    single = {s.symbol.name for c in rule.components
+              if isinstance(c, SelectComponent) and c.k == 1 for s in c.state}
+    states = {s.symbol.name for s in rule.state}
+    read = {sym.name for c in rule.components if isinstance(c, LinearComponent)
+            for a in c.anchors for sym in rule.running[a.name].free_symbols}
+    return bool(read & states) and read & states <= single
+
+
+def stash_applies(rule: FusionRule, geo: Geometry, plan: Plan) -> bool:
+    """Per-element outputs are stashed (``algebra.stash``: written by the statistics pass,
+    finished with one multiply) when the row is a single tile of aligned lanes: every
+    stashed value was then computed at the same anchors, held in lane 0 afterwards."""
+    step = plan.lanes * plan.tile
+    return (bool(rule.stashes) and plan.variant == "rolling" and plan.row_block == 1 and
+            plan.lanes > 1 and plan.tile > 1 and geo.n // step == 1 and lane_aligned(rule))
+
+
 def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
            splits: int | None = None, threads: int | None = None,
            fast_math: bool = True) -> Plan:
@@ -86,8 +110,12 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     why = "requested" if variant else (f"{geo.r} rows >= {threads} threads" if not idle else
                                        f"N = {geo.n} too short to split")
     block = row_block_for(geo, lanes, threads)
-    return Plan("rolling", lanes, 1, fast_math, why + "; rows in parallel, one pass each",
+    plan = Plan("rolling", lanes, 1, fast_math, why + "; rows in parallel, one pass each",
                 tile=BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n), row_block=block)
+    if stash_applies(rule, geo, plan):
+        plan = dataclasses.replace(plan, reason=plan.reason + "; per-element outputs stashed "
+                                   "by the statistics pass (one multiply to finish)")
+    return plan
 
 
 def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:

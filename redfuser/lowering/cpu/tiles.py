@@ -23,18 +23,19 @@ from algebra.components import COUNT, LinearComponent, SelectComponent
 from algebra.rule import FusionRule
 
 from ...tvm_adapter import T, tirx
-from ..emitter import Emitter
+from ..emitter import Emitter, direct
 from ..invariants import rule_dots, split_invariant
 from ..registers import Const0, States
 from ..signature import F32
 from .plan import LANES
 
 
-def levels(rule: FusionRule) -> list[list]:
-    """Components in groups whose anchors all come from earlier groups: a group's tile loops
-    are one loop, so a shared exp(x - m) is computed once per element."""
+def levels(rule: FusionRule, components) -> list[list]:
+    """``components`` (the rule's that are folded) in groups whose anchors all come from
+    earlier groups: a group's tile loops are one loop, so a shared exp(x - m) is computed
+    once per element."""
     out, produced = [], set()
-    for comp in rule.components:
+    for comp in components:
         reads = {s.name for a in comp.anchors for s in rule.running[a.name].free_symbols}
         if not out or reads & produced:
             out.append([])
@@ -42,19 +43,6 @@ def levels(rule: FusionRule) -> list[list]:
         out[-1].append(comp)
         produced |= {s.symbol.name for s in comp.state}
     return out
-
-
-def lane_aligned(rule: FusionRule) -> bool:
-    """Whether the lanes of a tiled fold can share their working anchors: every state an
-    anchor reads is a single best value (max/min, arg or not), which is idempotent, so the
-    tile's best can be written into every lane without counting anything twice.  Lanes
-    held at one anchor then merge by adding (``Emitter.merge(aligned=True)``): no exp."""
-    single = {s.symbol.name for c in rule.components
-              if isinstance(c, SelectComponent) and c.k == 1 for s in c.state}
-    states = {s.symbol.name for s in rule.state}
-    read = {sym.name for c in rule.components if isinstance(c, LinearComponent)
-            for a in c.anchors for sym in rule.running[a.name].free_symbols}
-    return bool(read & states) and read & states <= single
 
 
 def _share_best(em: Emitter, st: States, level, lanes: int, at: int):
@@ -95,7 +83,7 @@ def tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool 
     dots = tile_dots(em, [r], base, lanes * size)[0] if lanes == 1 else None
     with _lane_loop(lanes) as lane:
         _start(st, at + lane, size)
-    for level in levels(em.rule):
+    for level in levels(em.rule, em.components):
         with _lane_loop(lanes) as lane:
             _hold(em, st, level, at + lane, r)
         bases = tile_bases(em, st, level, r, base, size, dots, at) if lanes == 1 else \
@@ -103,13 +91,14 @@ def tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool 
         with T.serial(0, size) as k:
             with _lane_loop(lanes) as lane:
                 for comp, pre in zip(level, bases, strict=True):
-                    em.tile_step(st, comp, at + lane, base + k * lanes + lane, r,
-                                 dots(k) if dots else {}, pre and (pre[0], pre[1](k)))
+                    em.tile_step(st, comp, lane if direct(comp) else at + lane,
+                                 base + k * lanes + lane, r, dots(k) if dots else {},
+                                 pre and (pre[0], pre[1](k)))
         if aligned:
             _share_best(em, st, level, lanes, at)
     if not first:
         with _lane_loop(lanes) as lane:
-            em.merge(st, lane, lanes + lane, r)
+            em.merge(st, lane, lanes + lane, r, tile=True)
 
 
 def tile_rows(em: Emitter, sts: list, rows: list, base, size: int):
@@ -117,7 +106,7 @@ def tile_rows(em: Emitter, sts: list, rows: list, base, size: int):
     dots = tile_dots(em, rows, base, size)
     for st in sts:
         _start(st, 1, size)
-    for level in levels(em.rule):
+    for level in levels(em.rule, em.components):
         for st, r in zip(sts, rows, strict=True):
             _hold(em, st, level, 1, r)
         bases = [tile_bases(em, st, level, r, base, size, d)
@@ -130,10 +119,10 @@ def tile_rows(em: Emitter, sts: list, rows: list, base, size: int):
             for st, r, d, pre in zip(sts, rows, dots, bases, strict=True):
                 for j, comp in enumerate(level):
                     if not wide[j]:
-                        em.tile_step(st, comp, 1, base + k, r, d(k) if d else {},
-                                     pre[j] and (pre[j][0], pre[j][1](k)))
+                        em.tile_step(st, comp, 0 if direct(comp) else 1, base + k, r,
+                                     d(k) if d else {}, pre[j] and (pre[j][0], pre[j][1](k)))
     for st, r in zip(sts, rows, strict=True):
-        em.merge(st, 0, 1, r)
+        em.merge(st, 0, 1, r, tile=True)
 
 
 def _hold(em: Emitter, st: States, level, lane, r):

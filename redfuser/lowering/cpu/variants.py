@@ -19,7 +19,7 @@ from ..plan import Plan
 from ..registers import Const0, States
 from ..signature import I64
 from . import tiles
-from .plan import LANES, REGISTER_SCOPE, vector_lanes
+from .plan import LANES, REGISTER_SCOPE, lane_aligned, stash_applies, vector_lanes
 
 
 def _emitter(rule, geo, plan, bufs, rowvals) -> Emitter:
@@ -38,7 +38,7 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
         with T.serial(0, length) as t:
             em.update(st, 0, start + t, r)
         return
-    aligned = tile > 1 and lanes > 1 and tiles.lane_aligned(em.rule)
+    aligned = tile > 1 and lanes > 1 and lane_aligned(em.rule)
     first = 0
     if tile > 1 and isinstance(length, tirx.IntImm) and length.value >= step:
         tiles.tile(em, st, r, start, lanes, tile, aligned, first=True)
@@ -55,6 +55,8 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
         with (T.vectorized(0, half) if half > 1 else Const0()) as lane:
             em.merge(st, lane, lane + half, r, aligned)
         half //= 2
+    if em.stash_end:
+        em.keep_stash_anchors(st)
     # the tail after the lanes merged: it moves lane 0's anchors, which would unalign them
     with T.serial(tirx.floordiv(length, step) * step, length) as t:
         em.update(st, 0, start + t, r)
@@ -64,6 +66,8 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
     em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
     if plan.row_block > 1:
         return _rolling_blocks(em, geo, plan, results, elementwise)
+    if elementwise and stash_applies(rule, geo, plan):
+        em.stash_into(elementwise, plan.lanes * plan.tile)
     with T.parallel(0, geo.r) as r:
         st = em.states(2 * plan.lanes)
         for lane in range(plan.lanes):
