@@ -57,10 +57,13 @@ def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
 
 
 def tile_for(rule: FusionRule, lanes: int, n: int) -> int:
-    """Elements per lane folded at fixed anchors: with lanes, the whole row up to
-    TILE_ELEMENTS; in one lane, KEY_TILE where a state is re-anchored."""
+    """Elements per lane folded at fixed anchors: with lanes, the row in equal tiles of
+    TILE_ELEMENTS to twice that (a row shorter than 2 TILE_ELEMENTS is one tile, and what
+    is left over is less than ``lanes`` per tile); in one lane, KEY_TILE where a state is
+    re-anchored."""
     if lanes > 1:
-        return max(1, min(n, TILE_ELEMENTS) // lanes)
+        tiles = max(1, n // TILE_ELEMENTS)
+        return max(1, n // (tiles * lanes))
     anchored = any(isinstance(c, LinearComponent) and c.anchors for c in rule.components)
     return KEY_TILE if anchored else 1
 
