@@ -5,6 +5,8 @@
 against the float64 oracle and time both (what ``make demo`` runs after ``derive --all``).
 ``redfuser tune "<spec>" | NAME --shape x=4096x4096``: search the schedule for those shapes,
 print predicted vs measured time per candidate, store the best in the tuning database.
+``redfuser db show | export FILE | import FILE | merge FILE...``: list the tuning database,
+write it to a portable file, fold other machines' databases in.
 ``redfuser bench [--tuned] ...``: the benchmark (``python -m redfuser.tools.bench``).
 
 The commands that compile import their modules when they run (TVM takes about 0.6 s to
@@ -133,6 +135,8 @@ def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
 
 def _tune_cmd(args: argparse.Namespace) -> int:
     from .tune import TuningDB, describe, machine, shape_geometry, space, tune  # lazily
+    from .tune.search import store
+    from .tune.store import DatabaseError
 
     try:
         rule = derive(args.spec)
@@ -141,17 +145,47 @@ def _tune_cmd(args: argparse.Namespace) -> int:
     except (SpecError, NotFusable, ValueError) as e:
         print(f"redfuser tune: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    db = None if args.no_store else TuningDB()
+    unusable = db.problem() if db is not None else None
+    if unusable is not None:  # say so before minutes of measuring
+        print(f"redfuser tune: the tuning database {db.path} {unusable}; it is left "
+              "untouched (--no-store tunes without storing)", file=sys.stderr)
+        return 1
     variants = tuple(args.variant) if args.variant else None
     print(space(rule, geo, args.target, variants=variants))
     figures = machine(args.target)
     print(f"machine: {figures.name}")
-    db = False if args.no_store else TuningDB()
     result = tune(rule, geo, args.target, top=args.top, repeat=args.repeat, rounds=args.rounds,
-                  variants=variants, db=db, figures=figures)
+                  variants=variants, db=False, figures=figures)
     print(result.report())
     print(f"best: {describe(result.best)}  ({result.best.reason})")
-    if db is not False:
-        print(f"stored in {db.path}")
+    if db is None:
+        return 0
+    try:
+        print(store(db, result))
+    except DatabaseError as e:
+        print(f"redfuser tune: not stored: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _db_cmd(args: argparse.Namespace) -> int:
+    from .tune import TuningDB  # lazily (module doc)
+    from .tune.share import fold, show
+    from .tune.store import DatabaseError
+
+    db = TuningDB(args.db)
+    try:
+        if args.action == "show":
+            print(show(db))
+        elif args.action == "export":
+            print(f"exported {db.export(args.file)} entries of {db.path} to {args.file}")
+        else:
+            for path, summary in fold(db, args.files):
+                print(f"{path} into {db.path}: {summary}")
+    except DatabaseError as e:
+        print(f"redfuser db {args.action}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -173,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--n", type=int, default=2048, help="stream length N (default 2048)")
     k.add_argument("--d", type=int, default=64, help="feature length D (default 64)")
     _tune_parser(sub)
+    _db_parser(sub)
     sub.add_parser("bench", help="the benchmark (python -m redfuser.tools.bench: its options "
                                  "follow, e.g. --tuned)")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -181,8 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    return {"derive": _derive_cmd, "kernels": _kernels_cmd, "tune": _tune_cmd}[args.command](
-        args)
+    return {"derive": _derive_cmd, "kernels": _kernels_cmd, "tune": _tune_cmd,
+            "db": _db_cmd}[args.command](args)
 
 
 def _tune_parser(sub) -> None:
@@ -201,3 +236,19 @@ def _tune_parser(sub) -> None:
     t.add_argument("--repeat", type=int, default=5, help="timed runs per measurement")
     t.add_argument("--rounds", type=int, default=2, help="measurements per candidate")
     t.add_argument("--no-store", action="store_true", help="do not write the database")
+
+
+def _db_parser(sub) -> None:
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--db", metavar="FILE", help="the database (default: tuning.json in "
+                                                    "the cache directory)")
+    d = sub.add_parser("db", help="show the tuning database, move it between machines")
+    actions = d.add_subparsers(dest="action", required=True)
+    actions.add_parser("show", parents=[where], help="list every entry")
+    e = actions.add_parser("export", parents=[where], help="write every entry to a new file")
+    e.add_argument("file", help="the file to create (an existing one is never replaced)")
+    for name, what in (("import", "fold one database file in"),
+                       ("merge", "fold several database files in")):
+        m = actions.add_parser(name, parents=[where], help=what + " (the newer record of "
+                                                              "a key wins)")
+        m.add_argument("files", nargs=1 if name == "import" else "+", metavar="FILE")

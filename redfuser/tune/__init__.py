@@ -5,7 +5,8 @@ timed through a ``measure`` callable (``runtime.time_plan`` unless a ``Kernel`` 
 - ``space``: which ``Plan`` parameters apply to a rule at a geometry, and their values.
 - ``work``: operation counts read off the rule's components; ``cost``: predicted time.
 - ``machine``: bandwidth and throughput figures, measured once per machine and cached.
-- ``db``: the tuning database (JSON under the cache directory, atomic writes).
+- ``db``: the tuning database (JSON under the cache directory; ``store``: checked reads,
+  locked atomic writes, nothing unreadable overwritten); ``share``: ``redfuser db``.
 - ``search``: ``tune`` ranks with the model, measures the best few, keeps the fastest.
 
 ``redfuser.compile(spec, tune=True)`` searches each new shape once (and remembers),
@@ -19,9 +20,10 @@ from .db import TuningDB, cache_dir, entry_key, spec_key
 from .machine import Machine, machine, machine_id
 from .search import Trial, TuneResult, describe, model_plan, rank, tune, tuned_plan
 from .space import Param, Space, plan_from_params, plan_params, space
+from .store import DatabaseError
 from .work import Work, rule_work
 
-__all__ = ["Estimate", "Machine", "Param", "Space", "Trial", "TuneResult", "TuningDB", "Work",
-           "cache_dir", "describe", "entry_key", "machine", "machine_id", "model_plan",
-           "plan_from_params", "plan_params", "predict", "rank", "rule_work", "shape_geometry",
-           "space", "spec_key", "tune", "tuned_plan"]
+__all__ = ["DatabaseError", "Estimate", "Machine", "Param", "Space", "Trial", "TuneResult",
+           "TuningDB", "Work", "cache_dir", "describe", "entry_key", "machine", "machine_id",
+           "model_plan", "plan_from_params", "plan_params", "predict", "rank", "rule_work",
+           "shape_geometry", "space", "spec_key", "tune", "tuned_plan"]

@@ -1,27 +1,38 @@
 """The tuning database: measured best plans, one JSON file under the user's cache directory.
 
 Where: ``$REDFUSER_CACHE`` if set, else ``$XDG_CACHE_HOME/redfuser``, else
-``~/.cache/redfuser``; the file is ``tuning.json``.  An entry is keyed by the canonical
-spec (the lifted cascade printed by sympy, so spacing, lets and argument order do not
-matter), the geometry (rows, N, D and every input's shape), the dtype, the target, the
-fast-math flag and the machine (``machine.machine_id``).  Its record holds the plan's
-parameters, the measured and predicted times and how many candidates were tried.
+``~/.cache/redfuser``; the file is ``tuning.json`` (a symbolic link to a file on a shared
+file system shares it).  An entry is keyed by the canonical spec (the lifted cascade
+printed by sympy, so spacing, lets and argument order do not matter), the geometry (rows,
+N, D and every input's shape), the dtype, the target, the fast-math flag and the machine
+(``machine.machine_id``).  Its record holds the plan's parameters, the measured and
+predicted times, how many candidates were tried and when it was stored (UTC).
 
-Writes are atomic (a temporary file in the same directory, then ``os.replace``): a
-reader sees the old file or the new one, never half of one.  Two writers racing may
-lose one entry, never the file.  A file that is not JSON, or of another format or
-version, is ignored with a warning (and replaced by the next write); it never stops a
-compile.
+Reads and writes go through ``store``: a file that cannot be read, decoded or
+understood (another format, a newer version) reads as empty with one warning and is never
+replaced; writers take a lock around read-merge-write, so concurrent writers (processes,
+or machines sharing the file) never lose an entry.  Two records of one key merge by
+``better``: a measured time beats none, the lower time wins, then the later store, then
+the record's canonical text.  That is a total order, so a merge gives the same file
+whatever the order in which writers, imports and merges arrive.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import tempfile
-import time
-import warnings
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+
+from .store import (
+    DatabaseError,
+    load,
+    read_entries,
+    update,
+    write_json_new,
+)
 
 FORMAT = "redfuser-tuning"
 VERSION = 1
@@ -47,51 +58,99 @@ def cache_dir() -> Path:
     return Path(base) / "redfuser"
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    """Write ``data`` to ``path`` through a temporary file and ``os.replace``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+@dataclass
+class MergeSummary:
+    """What a merge did with the incoming records, by key."""
+
+    new: int = 0  # keys the database did not have
+    replaced: int = 0  # incoming record better (``better``) than the one held
+    kept: int = 0  # the held record at least as good (an identical one included)
+    skipped: int = 0  # not a tuning record (``record_problem``)
+    first_skip: str = ""  # why the first skipped one was skipped
+
+    def __str__(self) -> str:
+        text = (f"{self.new} new, {self.replaced} replaced by newer, {self.kept} kept "
+                "(the database's own as new or newer)")
+        return text + (f", {self.skipped} skipped ({self.first_skip})" if self.skipped else "")
+
+
+def record_problem(record: object) -> str | None:
+    """Why ``record`` is not a tuning record (None: it is one): it needs a ``plan`` table
+    and a finite, non-negative ``measured_ms``.
+
+    Examples
+    --------
+    >>> record_problem({"plan": {"variant": "rolling"}, "measured_ms": 0.5}) is None
+    True
+    >>> record_problem({"plan": {"variant": "rolling"}, "measured_ms": float("nan")})
+    'measured_ms must be a finite non-negative number, not nan'
+    """
+    if not isinstance(record, dict):
+        return f"a record must be a JSON object, not {type(record).__name__}"
+    if not isinstance(record.get("plan"), dict):
+        return "a record needs a 'plan' table"
+    ms = record.get("measured_ms")
+    if not _is_time(ms):
+        return f"measured_ms must be a finite non-negative number, not {ms!r}"
+    return None
+
+
+def _is_time(value: object) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
+
+
+def _stamp(record: dict) -> float | None:
+    """The record's ``stored`` time as seconds since the epoch (a stamp without a zone
+    is read as UTC: older redfusers wrote local time without one)."""
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from the user's tools
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        when = datetime.fromisoformat(record["stored"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
 
 
-def read_json_checked(path: Path, fmt: str, version: int) -> dict:
-    """The ``entries`` of a versioned JSON file; {} (with a warning) when it is missing
-    (no warning), unreadable, not JSON, or of another format or version."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return {}
-    except OSError as e:
-        return _ignored(path, f"cannot be read ({e})")
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        return _ignored(path, f"is not valid JSON ({e.msg} at line {e.lineno})")
-    if not isinstance(data, dict) or data.get("format") != fmt:
-        return _ignored(path, f"is not a {fmt} file")
-    if data.get("version") != version:
-        return _ignored(path, f"has version {data.get('version')!r}; this redfuser reads "
-                              f"version {version}")
-    entries = data.get("entries")
-    if not isinstance(entries, dict):
-        return _ignored(path, "has no 'entries' table")
-    return entries
+def rank(record: object) -> tuple:
+    """The order ``better`` uses: a stamped record beats an unstamped one, then the later
+    store, then a measured time beats none, then the lower time, then the canonical text
+    (which makes it total: equal ranks mean equal records)."""
+    rec = record if isinstance(record, dict) else {}
+    stamp, ms = _stamp(rec), rec.get("measured_ms")
+    return (stamp is not None, stamp or 0.0, _is_time(ms), -ms if _is_time(ms) else 0.0,
+            json.dumps(record, sort_keys=True, default=str))
 
 
-def _ignored(path: Path, why: str) -> dict:
-    warnings.warn(f"redfuser: ignoring {path}: it {why}; it will be replaced by the next "
-                  "write", RuntimeWarning, stacklevel=3)
-    return {}
+def better(a: object, b: object) -> object:
+    """The record that survives when ``a`` and ``b`` share a key: the newer one (then the
+    faster one).
+
+    Examples
+    --------
+    >>> old = {"plan": {}, "measured_ms": 0.5, "stored": "2026-01-01T00:00:00+00:00"}
+    >>> new = {"plan": {}, "measured_ms": 0.9, "stored": "2026-02-01T00:00:00+00:00"}
+    >>> better(old, new) is new and better(new, old) is new
+    True
+    """
+    return a if rank(a) >= rank(b) else b
+
+
+def merge_entries(held: dict, incoming: dict) -> tuple[dict, MergeSummary]:
+    """``held`` with every tuning record of ``incoming`` folded in by ``better``."""
+    merged, summary = dict(held), MergeSummary()
+    for key, record in incoming.items():
+        problem = record_problem(record)
+        if problem is not None:
+            summary.skipped += 1
+            summary.first_skip = summary.first_skip or f"{key[:40]}: {problem}"
+        elif key not in merged:
+            merged[key], summary.new = record, summary.new + 1
+        elif rank(record) > rank(merged[key]):
+            merged[key], summary.replaced = record, summary.replaced + 1
+        else:
+            summary.kept += 1
+    return merged, summary
 
 
 class TuningDB:
@@ -105,6 +164,7 @@ class TuningDB:
     >>> db.get("k") is None
     True
     >>> db.put("k", {"plan": {"variant": "rolling", "lanes": 16}, "measured_ms": 1.5})
+    True
     >>> db.get("k")["measured_ms"]
     1.5
     >>> tmp.cleanup()
@@ -114,21 +174,65 @@ class TuningDB:
         self.path = Path(path) if path is not None else cache_dir() / FILENAME
 
     def entries(self) -> dict[str, dict]:
-        """Every record by key (a corrupt or foreign file reads as empty, with a warning)."""
-        return read_json_checked(self.path, FORMAT, VERSION)
+        """Every record by key (an unusable file reads as empty, with a warning)."""
+        return read_entries(self.path, FORMAT, VERSION)
+
+    def problem(self) -> str | None:
+        """Why the file cannot be used, hence will not be written (None: it can)."""
+        return load(self.path, FORMAT, VERSION).problem
 
     def get(self, key: str) -> dict | None:
+        """The record of ``key`` (None when there is none, or it is not a record)."""
         record = self.entries().get(key)
         return record if isinstance(record, dict) else None
 
-    def put(self, key: str, record: dict) -> None:
-        """Add or replace one record (read, update, atomic replace)."""
-        with warnings.catch_warnings():  # the read already warned about a bad file, if any
-            warnings.simplefilter("ignore", RuntimeWarning)
-            entries = self.entries()
-        entries[key] = {**record, "stored": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        write_json_atomic(self.path, {"format": FORMAT, "version": VERSION,
-                                      "entries": entries})
+    def put(self, key: str, record: dict) -> bool:
+        """Store one record, stamped with the time (UTC); True when it is now the key's
+        record (False: the database already held a newer one).  Raises ``ValueError``
+        for a record that is not one (``record_problem``), ``DatabaseError`` when the
+        file is unusable or cannot be written."""
+        problem = record_problem(record)
+        if problem is not None:
+            raise ValueError(f"not a tuning record: {problem}")
+        stamped = {**record, "stored": datetime.now(timezone.utc).isoformat()}
+        summary = self.merge({key: stamped})
+        return summary.new + summary.replaced == 1
+
+    def merge(self, incoming: dict) -> MergeSummary:
+        """Fold ``incoming`` (key -> record) in under the lock (``merge_entries``)."""
+        found = []
+
+        def change(held: dict) -> dict:
+            merged, summary = merge_entries(held, incoming)
+            found.append(summary)
+            return merged
+
+        update(self.path, FORMAT, VERSION, change)
+        return found[-1]
+
+    def export(self, path: Path | str) -> int:
+        """Write every record to a new file ``path`` (the same format: the file is a
+        database itself); how many were written.  Refuses an unusable database and an
+        existing ``path`` (``DatabaseError``)."""
+        found = load(self.path, FORMAT, VERSION)
+        if found.problem is not None:
+            raise DatabaseError(f"cannot export {self.path}: it {found.problem}")
+        write_json_new(Path(path), {"format": FORMAT, "version": VERSION,
+                                    "entries": found.entries})
+        return len(found.entries)
+
+
+def read_database(path: Path | str) -> dict[str, dict]:
+    """The entries of another database file (an export); ``DatabaseError`` naming the
+    file and the reason when it is missing or unusable (an import must not fold in
+    nothing silently)."""
+    path = Path(path)
+    found = load(path, FORMAT, VERSION)
+    if not found.exists:
+        raise DatabaseError(f"{path} does not exist")
+    if found.problem is not None:
+        raise DatabaseError(f"{path} cannot be imported: it {found.problem}")
+    return found.entries
 
 
 def spec_key(rule) -> str:

@@ -18,7 +18,10 @@ bandwidth, and so would our kernels; measuring with them keeps the model honest)
 - ``launch``: seconds of a call that does almost nothing (thread-pool wake-up).
 
 Cached in ``cache_dir() / "machine.json"`` keyed by ``machine_id`` (CPU name, cores,
-threads); a corrupt or foreign file is ignored with a warning and measured again.
+threads), through ``store`` (locked, atomic).  When the figures cannot be cached (the
+directory is not writable; the file is unusable: corrupt, foreign, of a newer version,
+and then left as it is) they are measured, used for the rest of the process, and one
+warning says so: tuning and ``compile(tune="model")`` never fail for want of a cache.
 CUDA figures are nominal (from the architecture) unless measured on the device.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -36,7 +40,8 @@ from ..lowering import Plan, shape_geometry
 from ..lowering.cpu.plan import FOLD_LANES, LANES, TILE_ELEMENTS
 from ..runtime import allocate_outputs, build, random_inputs, time_built
 from ..tvm_adapter import cpu_target, cuda_device_name, default_threads
-from .db import cache_dir, read_json_checked, write_json_atomic
+from .db import cache_dir
+from .store import DatabaseError, load, update, warn_unusable
 from .work import element_work
 
 FORMAT, VERSION, FILENAME = "redfuser-machine", 1, "machine.json"
@@ -130,20 +135,35 @@ def _cuda_figures(key: str, measure: bool) -> Machine:
     return Machine(key, 1, ((1.0, bw),), op, ex, op, ex, op * 4, op, launch)
 
 
+_UNSAVED: dict[tuple[str, str], Machine] = {}  # (cache file, machine): measured, not cached
+
+
 def _cpu_figures(key: str, measure: bool) -> Machine:
     path = cache_dir() / FILENAME
-    entries = read_json_checked(path, FORMAT, VERSION)
-    if key in entries:
+    if (str(path), key) in _UNSAVED:
+        return _UNSAVED[str(path), key]
+    found = load(path, FORMAT, VERSION)
+    if found.problem is not None:
+        warn_unusable(path, found.problem)
+    elif key in found.entries:
         try:
-            return Machine.from_json(entries[key])
+            return Machine.from_json(found.entries[key])
         except (KeyError, TypeError, ValueError):
             pass  # an older layout of the record: measure again
     if not measure:
         return nominal_cpu(key)
-    found = measure_cpu(key)
-    entries[key] = found.to_json()
-    write_json_atomic(path, {"format": FORMAT, "version": VERSION, "entries": entries})
-    return found
+    figures = measure_cpu(key)
+    if found.problem is not None:  # warned above; not ours to replace
+        _UNSAVED[str(path), key] = figures
+        return figures
+    try:
+        update(path, FORMAT, VERSION, lambda entries: {**entries, key: figures.to_json()})
+    except DatabaseError as e:
+        _UNSAVED[str(path), key] = figures
+        warnings.warn(f"redfuser: the machine figures were measured but not cached ({e}); "
+                      "this process uses them, the next one measures again", RuntimeWarning,
+                      stacklevel=3)
+    return figures
 
 
 FIGURES = {"cpu": _cpu_figures, "cuda": _cuda_figures}  # target -> its figures

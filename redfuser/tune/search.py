@@ -10,7 +10,10 @@ is never slower than the untuned one by more than the noise), ``rounds`` times e
 interleaved (a burst of noise on a shared machine hits every candidate alike), and
 keeps each candidate's best median.  The winner is stored in the tuning database
 (``db.TuningDB``) under the rule's canonical spec, the geometry, dtype, target and
-machine; ``Kernel`` reads it on later compiles (``tuned_plan``).  A progress bar shows
+machine (a database that cannot be written costs a warning, never the search's result);
+``Kernel`` reads it on later compiles (``tuned_plan``), after checking the record
+against the schedule space (a stale or tampered record is ignored with a warning, never
+built).  A progress bar shows
 on a terminal; ``TuneResult.report()`` prints predicted vs measured per candidate.
 
 Candidates are timed through a ``measure(geo, plan, repeat) -> ms`` callable: by default
@@ -30,9 +33,10 @@ from tqdm.auto import tqdm
 from ..lowering import Geometry, Plan, choose
 from ..runtime import time_plan
 from .cost import predict
-from .db import TuningDB, entry_key
+from .db import TuningDB, entry_key, record_problem
 from .machine import Machine, machine, machine_id
 from .space import plan_from_params, plan_params, same_plan, space
+from .store import DatabaseError
 
 Measure = Callable[[Geometry, Plan, int], float]  # (geometry, plan, repeat) -> milliseconds
 
@@ -57,6 +61,7 @@ class TuneResult:
     candidates: int = 0
     cached: bool = False
     key: str = ""
+    record: dict = field(default_factory=dict)  # what ``store`` puts in the database
 
     @property
     def measured(self) -> list[Trial]:
@@ -151,10 +156,18 @@ def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5
     win = _winner(done, chosen[-1] if any(t is chosen[-1] for t in done) else None)
     best = replace(win.plan, reason=f"tuned: {win.measured_ms:.3f} ms measured, best of "
                                     f"{len(done)} (model {win.predicted_ms:.3f} ms)")
-    result = TuneResult(best, trials, time.perf_counter() - start, len(trials),
-                        key=entry_key(rule, geo, target, machine_id(target), fast_math))
+    seconds = time.perf_counter() - start
+    result = TuneResult(best, trials, seconds, len(trials),
+                        key=entry_key(rule, geo, target, machine_id(target), fast_math),
+                        record={"plan": plan_params(win.plan), "measured_ms": win.measured_ms,
+                                "predicted_ms": win.predicted_ms, "candidates": len(trials),
+                                "measured": len(done), "seconds": round(seconds, 3)})
     if db is not False:
-        _store(db or TuningDB(), result, win)
+        try:
+            store(db or TuningDB(), result)
+        except DatabaseError as e:
+            warnings.warn(f"redfuser: the tuned plan was not stored: {e}", RuntimeWarning,
+                          stacklevel=2)
     return result
 
 
@@ -203,15 +216,14 @@ def _measure(measure: Measure, geo: Geometry, chosen: list[Trial], repeat: int, 
         bar.close()
 
 
-def _store(db: TuningDB, result: TuneResult, win: Trial) -> None:
-    record = {"plan": plan_params(win.plan), "measured_ms": win.measured_ms,
-              "predicted_ms": win.predicted_ms, "candidates": result.candidates,
-              "measured": len(result.measured), "seconds": round(result.seconds, 3)}
-    try:
-        db.put(result.key, record)
-    except OSError as e:
-        warnings.warn(f"redfuser: could not write the tuning database {db.path}: {e}",
-                      RuntimeWarning, stacklevel=3)
+def store(db: TuningDB, result: TuneResult) -> str:
+    """Put ``result``'s record in ``db``; what happened, in one line.  Raises
+    ``DatabaseError`` when the database is unusable or cannot be written."""
+    if db.put(result.key, result.record):
+        return f"stored in {db.path}"
+    held = db.get(result.key) or {}
+    return (f"not stored: {db.path} already holds a newer result for this key (stored "
+            f"{held.get('stored')}, {held.get('measured_ms')} ms measured)")
 
 
 def model_plan(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True) -> Plan:
@@ -231,8 +243,7 @@ def tuned_plan(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
     record = db.get(key)
     if record is not None:
         try:
-            return plan_from_params(record["plan"], fast_math,
-                                    f"tuned: {float(record['measured_ms']):.3f} ms measured")
+            return record_plan(record, rule, geo, target, fast_math)
         except (KeyError, TypeError, ValueError) as e:
             warnings.warn(f"redfuser: ignoring a tuning record in {db.path}: {e}",
                           RuntimeWarning, stacklevel=2)
@@ -244,3 +255,37 @@ def tuned_plan(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
         warnings.warn(f"redfuser: schedule search failed ({e}); using the hand-written plan",
                       RuntimeWarning, stacklevel=2)
         return None
+
+
+def record_plan(record: dict, rule, geo: Geometry, target: str = "cpu",
+                fast_math: bool = True) -> Plan:
+    """The plan of a database record, checked against the schedule space of ``rule`` at
+    ``geo``: ``ValueError`` naming the field when the record is malformed or its plan is
+    not a candidate here (a stale or tampered record must not build, e.g. a row block of
+    1000 would compile for minutes).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("softmax")
+    >>> geo = shape_geometry(rule, {"x": (32, 256)})
+    >>> record_plan({"plan": {"variant": "rolling", "lanes": 16, "tile": 8},
+    ...              "measured_ms": 0.1}, rule, geo).lanes
+    16
+    >>> try:
+    ...     record_plan({"plan": {"variant": "rolling", "row_block": 1000},
+    ...                  "measured_ms": 0.1}, rule, geo)
+    ... except ValueError as e:
+    ...     print(e)
+    row_block=1000 is not in the space of rolling here (1)
+    """
+    problem = record_problem(record)
+    if problem is not None:
+        raise ValueError(problem)
+    plan = plan_from_params(record["plan"], fast_math,
+                            f"tuned: {float(record['measured_ms']):.3f} ms measured")
+    why = space(rule, geo, target, fast_math).why_not(plan)
+    if why is not None:
+        raise ValueError(why)
+    return plan

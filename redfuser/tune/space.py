@@ -88,6 +88,37 @@ class Space:
                     out.append(plan)
         return out
 
+    def why_not(self, plan: Plan) -> str | None:
+        """Why ``plan`` is not a candidate of this space (None: it is one), naming the
+        first parameter whose value is out of the space.
+
+        Examples
+        --------
+        >>> import redfuser
+        >>> from redfuser.lowering import shape_geometry
+        >>> rule = redfuser.derive("softmax")
+        >>> s = space(rule, shape_geometry(rule, {"x": (32, 256)}))
+        >>> s.why_not(Plan("rolling", 1, row_block=1000))
+        'row_block=1000 is not in the space of rolling here (1)'
+        >>> s.why_not(s.candidates()[-1]) is None
+        True
+        """
+        if any(same_plan(plan, c) for c in self.candidates()):
+            return None
+        params = self.variants.get(plan.variant)
+        if params is None:
+            return (f"variant {plan.variant} is not in the space here (only "
+                    f"{', '.join(self.variants)})")
+        values = {p.name: p.values for p in params}
+        defaults = {f.name: f.default for f in fields(Plan)}
+        for name in (n for n in TUNED if n != "variant"):
+            allowed = values.get(name, (defaults[name],))
+            if getattr(plan, name) not in allowed:
+                return (f"{name}={getattr(plan, name)} is not in the space of {plan.variant} "
+                        f"here ({', '.join(map(str, allowed))})")
+        return ("its parameters together break a constraint of the space (a tile must fit "
+                "the stream and the registers, a split piece must hold two tiles)")
+
     def __str__(self) -> str:
         lines = [f"schedule space ({self.target}, rows {self.geo.r}, N {self.geo.n}, "
                  f"D {self.geo.d}): {len(self.candidates())} candidates"]

@@ -1,0 +1,85 @@
+"""Moving tuning results between machines: list a database, export it, fold others in.
+
+``redfuser db show | export FILE | import FILE | merge FILE...`` (``cli.py``) runs these.
+An export is a database file itself (``TuningDB.export``), so it can be copied into
+place, imported or merged; importing folds records in with the same merge concurrent
+writers use (``db.merge_entries``: the newer record of a key wins), so importing the
+same files in any order, any number of times, gives the same database.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .db import FORMAT, VERSION, MergeSummary, TuningDB, read_database
+from .search import describe
+from .space import plan_from_params
+from .store import DatabaseError, load
+
+KEY_FIELDS = ("spec", "geometry", "dtype", "target", "machine", "fast_math")  # entry_key's
+
+
+def show(db: TuningDB) -> str:
+    """Every entry of ``db``: spec key, shapes, dtype, target and machine, plan, measured
+    time and when it was stored.  ``DatabaseError`` when the file is unusable.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> db = TuningDB(pathlib.Path(tempfile.mkdtemp()) / "tuning.json")
+    >>> show(db).endswith("tuning.json (nothing tuned yet)")
+    True
+    >>> _ = db.put("k", {"plan": {"variant": "rolling", "lanes": 16}, "measured_ms": 1.5})
+    >>> print(show(db).splitlines()[2])
+      key      k (not a redfuser entry key)
+    """
+    found = load(db.path, FORMAT, VERSION)
+    if found.problem is not None:
+        raise DatabaseError(f"{db.path} cannot be shown: it {found.problem}")
+    if not found.exists:
+        return f"no tuning database at {db.path} (nothing tuned yet)"
+    lines = [f"{db.path}: {len(found.entries)} entries"]
+    for i, (key, record) in enumerate(sorted(found.entries.items()), 1):
+        lines += [f"{i}."] + [f"  {name:<8} {text}" for name, text in
+                              _key_lines(key) + _record_lines(record)]
+    return "\n".join(lines)
+
+
+def _key_lines(key: str) -> list[tuple[str, str]]:
+    try:
+        fields = dict(zip(KEY_FIELDS, json.loads(key), strict=True))
+        rows, n, d, inputs = fields["geometry"]
+        shapes = "  ".join(f"{name}={'x'.join(map(str, [*r, length] + ([w] if w > 1 else [])))}"
+                           for name, r, length, w in inputs)
+        return [("spec", str(fields["spec"])),
+                ("shape", f"{shapes}  (rows {'x'.join(map(str, rows))}, N {n}, D {d}), "
+                          f"{fields['dtype']}"),
+                ("target", f"{fields['target']} on {fields['machine']}"
+                           f"{', fast-math' if fields['fast_math'] else ''}")]
+    except (ValueError, TypeError):  # not JSON, or not entry_key's layout
+        return [("key", f"{key[:200]} (not a redfuser entry key)")]
+
+
+def _record_lines(record: object) -> list[tuple[str, str]]:
+    if not isinstance(record, dict):
+        return [("record", f"{json.dumps(record)[:200]} (not a tuning record)")]
+    try:
+        plan = describe(plan_from_params(record["plan"]))
+    except (KeyError, TypeError, ValueError) as e:
+        plan = f"{json.dumps(record.get('plan'))[:200]} (not a plan: {e})"
+    ms, model = record.get("measured_ms"), record.get("predicted_ms")
+    timing = f"{ms:.4f} ms measured" if isinstance(ms, int | float) else "no measured time"
+    if isinstance(model, int | float):
+        timing += f" (model {model:.4f} ms)"
+    if isinstance(record.get("candidates"), int):
+        timing += f", {record.get('measured')} of {record['candidates']} candidates timed"
+    return [("plan", plan), ("time", timing), ("stored", str(record.get("stored", "?")))]
+
+
+def fold(db: TuningDB, files: list[Path | str]) -> list[tuple[Path, MergeSummary]]:
+    """Merge every file's records into ``db``, in order; what each brought.  Every file
+    is read and checked first: one that is missing or unusable is a ``DatabaseError``
+    and nothing is written."""
+    read = [(Path(f), read_database(f)) for f in files]
+    return [(path, db.merge(entries)) for path, entries in read]
