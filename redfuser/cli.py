@@ -179,7 +179,9 @@ def _db_cmd(args: argparse.Namespace) -> int:
         if args.action == "show":
             print(show(db))
         elif args.action == "export":
-            print(f"exported {db.export(args.file)} entries of {db.path} to {args.file}")
+            count = db.export(args.file)
+            print(f"exported {count} {'entry' if count == 1 else 'entries'} of {db.path} to "
+                  f"{args.file}")
         else:
             for path, summary in fold(db, args.files):
                 print(f"{path} into {db.path}: {summary}")

@@ -11,6 +11,7 @@ user ``nobody`` when the tests run as root (root reads any file regardless of it
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -29,11 +30,12 @@ from hypothesis import strategies as st
 
 import redfuser
 from redfuser.cli import main
-from redfuser.lowering import choose, shape_geometry
-from redfuser.tune import TuningDB, entry_key, machine, machine_id
+from redfuser.lowering import VARIANTS, Plan, choose, shape_geometry
+from redfuser.tune import TuningDB, entry_key, machine, machine_id, space
 from redfuser.tune.db import FORMAT, VERSION, merge_entries
 from redfuser.tune.machine import nominal_cpu
 from redfuser.tune.search import record_plan
+from redfuser.tune.space import same_plan
 from redfuser.tune.store import DatabaseError
 
 machine_module = importlib.import_module("redfuser.tune.machine")  # the module, not machine()
@@ -126,7 +128,7 @@ def test_an_unreadable_database_is_never_replaced(open_dir):
         assert f.read() == before
 
 
-def test_a_newer_version_is_never_replaced(cache, capsys):
+def test_a_newer_version_is_never_replaced(cache, capsys, monkeypatch):
     """Repro db_future_version.sh: `redfuser tune` silently replaced a version-2 database
     (50 entries lost).  Now reads warn, writes refuse, and the CLI stops before measuring."""
     path = cache / "tuning.json"
@@ -140,6 +142,15 @@ def test_a_newer_version_is_never_replaced(cache, capsys):
     out = capsys.readouterr()
     assert "newer redfuser" in out.err and "stored in" not in out.out + out.err
     assert "schedule space" not in out.out  # refused before any work
+    search = importlib.import_module("redfuser.tune.search")
+    real = search.tune
+    monkeypatch.setattr(search, "tune", lambda *a, **kw: real(
+        *a, **{**kw, "top": 1, "repeat": 1, "rounds": 1, "progress": False}))
+    x = np.random.default_rng(3).normal(size=(4, 64)).astype(np.float32)
+    with pytest.warns(RuntimeWarning, match="tuned plan was not stored: refusing to write"):
+        y = redfuser.compile("softmax", tune=True)(x=x)["y"]  # searched, used, not stored
+    np.testing.assert_allclose(y, redfuser.reference("softmax", {"x": x})["y"], rtol=1e-5,
+                               atol=1e-7)  # float32 kernel vs the float64 oracle
     assert path.read_bytes() == before
 
 
@@ -442,3 +453,23 @@ def test_db_import_of_a_bad_file_is_a_clear_error(tmp_path, capsys, content, why
     assert why in err and str(bad) in err and "Traceback" not in err
     assert db.path.read_bytes() == before
     assert main(["db", "show", "--db", str(bad)]) == (1 if content else 0)
+
+
+@pytest.mark.parametrize("name,shapes", [("softmax", {"x": (32, 256)}),
+                                         ("attention", {"q": (2, 64, 16), "k": (2, 1, 64, 16),
+                                                        "v": (2, 1, 64, 16)}),
+                                         ("moe_routing", {"x": (8, 256)})])
+def test_the_space_check_agrees_with_the_candidates(name, shapes):
+    """``Space.why_not`` decides membership without enumerating: it must accept exactly
+    the enumerated candidates (checked over every plan of the parameters' value grid)."""
+    rule = rule_for(name)
+    geo = shape_geometry(rule, shapes)
+    s = space(rule, geo)
+    candidates = s.candidates()
+    assert all(s.why_not(p) is None for p in candidates)
+    values = {"variant": VARIANTS, "lanes": (1, 16, 64), "tile": (1, 3, 8), "splits": (1, 4, 64),
+              "row_block": (1, 2, 1000)}
+    for combo in itertools.product(*values.values()):
+        plan = Plan(**dict(zip(values, combo, strict=True)))
+        inside = any(same_plan(plan, c) for c in candidates)
+        assert (s.why_not(plan) is None) == inside, plan

@@ -39,7 +39,8 @@ def show(db: TuningDB) -> str:
         raise DatabaseError(f"{db.path} cannot be shown: it {found.problem}")
     if not found.exists:
         return f"no tuning database at {db.path} (nothing tuned yet)"
-    lines = [f"{db.path}: {len(found.entries)} entries"]
+    count = len(found.entries)
+    lines = [f"{db.path}: {count} {'entry' if count == 1 else 'entries'}"]
     for i, (key, record) in enumerate(sorted(found.entries.items()), 1):
         lines += [f"{i}."] + [f"  {name:<8} {text}" for name, text in
                               _key_lines(key) + _record_lines(record)]

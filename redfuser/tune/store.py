@@ -290,7 +290,8 @@ def write_json_new(path: Path, data: dict) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
         raise DatabaseError(f"{path} already exists; it was left untouched (choose a new "
-                            "name, or fold it in with `redfuser db import`)") from None
+                            f"name, or fold into it: redfuser db import DB --db {path})") \
+            from None
     except OSError as e:
         raise DatabaseError(f"cannot write {path}: {e.strerror or e}") from None
     try:
