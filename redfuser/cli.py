@@ -163,7 +163,7 @@ def _tune_cmd(args: argparse.Namespace) -> int:
         return 0
     try:
         print(store(db, result))
-    except DatabaseError as e:
+    except (DatabaseError, ValueError) as e:
         print(f"redfuser tune: not stored: {e}", file=sys.stderr)
         return 1
     return 0

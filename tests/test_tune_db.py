@@ -380,6 +380,24 @@ def test_figures_are_used_when_the_cache_directory_is_not_ours(open_dir):
     assert os.listdir(cache) == []
 
 
+def test_a_newer_machine_file_is_kept_and_the_figures_measured(cache, monkeypatch):
+    """machine.json follows the database's rule: a newer redfuser's file is left as it is,
+    the figures are measured once for this process, one warning."""
+    path = cache / "machine.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"format": "redfuser-machine", "version": 2, "entries": {}}))
+    before = path.read_bytes()
+    calls = []
+    monkeypatch.setattr(machine_module, "measure_cpu", lambda k: calls.append(k) or
+                        nominal_cpu(k))
+    with pytest.warns(RuntimeWarning, match="version 2, written by a newer redfuser"):
+        assert machine().name == machine_id()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        machine()
+    assert calls == [machine_id()] and path.read_bytes() == before
+
+
 # -- records are checked against the space ----------------------------------------------------
 
 def test_a_record_out_of_the_space_is_never_built(cache):

@@ -115,7 +115,15 @@ def _stamp(record: dict) -> float | None:
 def rank(record: object) -> tuple:
     """The order ``better`` uses: a stamped record beats an unstamped one, then the later
     store, then a measured time beats none, then the lower time, then the canonical text
-    (which makes it total: equal ranks mean equal records)."""
+    (which makes it total: equal ranks mean equal records).
+
+    Examples
+    --------
+    >>> fast = {"plan": {}, "measured_ms": 0.5, "stored": "2026-01-01T00:00:00+00:00"}
+    >>> slow = {**fast, "measured_ms": 0.9}
+    >>> rank(fast) > rank(slow) > rank({"plan": {}, "measured_ms": 0.1})  # unstamped last
+    True
+    """
     rec = record if isinstance(record, dict) else {}
     stamp, ms = _stamp(rec), rec.get("measured_ms")
     return (stamp is not None, stamp or 0.0, _is_time(ms), -ms if _is_time(ms) else 0.0,
@@ -137,7 +145,17 @@ def better(a: object, b: object) -> object:
 
 
 def merge_entries(held: dict, incoming: dict) -> tuple[dict, MergeSummary]:
-    """``held`` with every tuning record of ``incoming`` folded in by ``better``."""
+    """``held`` with every tuning record of ``incoming`` folded in by ``better``; what
+    happened per key.  Records of ``held`` that are not tuning records stay as they are.
+
+    Examples
+    --------
+    >>> old = {"plan": {}, "measured_ms": 0.5, "stored": "2026-01-01T00:00:00+00:00"}
+    >>> new = {**old, "stored": "2026-02-01T00:00:00+00:00"}
+    >>> merged, summary = merge_entries({"a": old}, {"a": new, "b": old, "c": 3})
+    >>> merged["a"] is new, sorted(merged), summary.skipped
+    (True, ['a', 'b'], 1)
+    """
     merged, summary = dict(held), MergeSummary()
     for key, record in incoming.items():
         problem = record_problem(record)
@@ -225,7 +243,16 @@ class TuningDB:
 def read_database(path: Path | str) -> dict[str, dict]:
     """The entries of another database file (an export); ``DatabaseError`` naming the
     file and the reason when it is missing or unusable (an import must not fold in
-    nothing silently)."""
+    nothing silently).
+
+    Examples
+    --------
+    >>> try:
+    ...     read_database("/nonexistent/tuning.json")
+    ... except DatabaseError as e:
+    ...     print(e)
+    /nonexistent/tuning.json does not exist
+    """
     path = Path(path)
     found = load(path, FORMAT, VERSION)
     if not found.exists:

@@ -165,7 +165,7 @@ def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5
     if db is not False:
         try:
             store(db or TuningDB(), result)
-        except DatabaseError as e:
+        except (DatabaseError, ValueError) as e:
             warnings.warn(f"redfuser: the tuned plan was not stored: {e}", RuntimeWarning,
                           stacklevel=2)
     return result
@@ -218,7 +218,18 @@ def _measure(measure: Measure, geo: Geometry, chosen: list[Trial], repeat: int, 
 
 def store(db: TuningDB, result: TuneResult) -> str:
     """Put ``result``'s record in ``db``; what happened, in one line.  Raises
-    ``DatabaseError`` when the database is unusable or cannot be written."""
+    ``DatabaseError`` when the database is unusable or cannot be written, ``ValueError``
+    when the record is not one (a ``measure`` that returned a non-finite time).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> db = TuningDB(tempfile.mkdtemp() + "/tuning.json")
+    >>> result = TuneResult(Plan("rolling"), key="k", record={"plan": {"variant": "rolling"},
+    ...                                                       "measured_ms": 0.5})
+    >>> store(db, result) == f"stored in {db.path}"
+    True
+    """
     if db.put(result.key, result.record):
         return f"stored in {db.path}"
     held = db.get(result.key) or {}

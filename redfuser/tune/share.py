@@ -81,6 +81,16 @@ def _record_lines(record: object) -> list[tuple[str, str]]:
 def fold(db: TuningDB, files: list[Path | str]) -> list[tuple[Path, MergeSummary]]:
     """Merge every file's records into ``db``, in order; what each brought.  Every file
     is read and checked first: one that is missing or unusable is a ``DatabaseError``
-    and nothing is written."""
+    and nothing is written.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> mine, theirs = TuningDB(tmp / "mine.json"), TuningDB(tmp / "theirs.json")
+    >>> _ = theirs.put("k", {"plan": {"variant": "rolling"}, "measured_ms": 0.5})
+    >>> [(path.name, str(s)[:5]) for path, s in fold(mine, [theirs.path, theirs.path])]
+    [('theirs.json', '1 new'), ('theirs.json', '0 new')]
+    """
     read = [(Path(f), read_database(f)) for f in files]
     return [(path, db.merge(entries)) for path, entries in read]

@@ -178,7 +178,20 @@ _WARNED: set[tuple[str, str]] = set()  # (file, reason) already reported by this
 
 def read_entries(path: Path, fmt: str, version: int) -> dict:
     """The entries of ``path``; {} for a missing file, and for an unusable one with a
-    ``RuntimeWarning`` naming the file and the reason (once per file and reason)."""
+    ``RuntimeWarning`` naming the file and the reason (once per file and reason).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib, warnings
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.json"
+    >>> _ = path.write_text('{"format": "f", "version": 9, "entries": {}}')
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     print(read_entries(path, "f", 1), read_entries(path, "f", 1))
+    {} {}
+    >>> [str(w.message).split(": it ")[1][:38] for w in caught]  # once
+    ['has version 9, written by a newer redf']
+    """
     found = load(path, fmt, version)
     if found.problem is not None:
         warn_unusable(path, found.problem)
@@ -186,7 +199,8 @@ def read_entries(path: Path, fmt: str, version: int) -> dict:
 
 
 def warn_unusable(path: Path, problem: str) -> None:
-    """Say once per process that ``path`` is ignored (and will not be written)."""
+    """Say once per process that ``path`` is ignored (and will not be written); see
+    ``read_entries``."""
     if (str(path), problem) in _WARNED:
         return
     _WARNED.add((str(path), problem))
@@ -194,7 +208,7 @@ def warn_unusable(path: Path, problem: str) -> None:
                   "to it are refused)", RuntimeWarning, stacklevel=3)
 
 
-def refusal(path: Path, problem: str) -> str:
+def _refusal(path: Path, problem: str) -> str:
     """The message of a write refused because ``path`` is unusable."""
     return (f"refusing to write {path}: it {problem}; it was left untouched (move it away "
             "or point REDFUSER_CACHE at another directory)")
@@ -219,13 +233,13 @@ def update(path: Path, fmt: str, version: int,
     real = Path(os.path.realpath(path))
     kind = _kind_of(real)
     if kind:  # refused before a lock file is made next to a device, FIFO or directory
-        raise DatabaseError(refusal(path, f"is {kind}, not a regular file"))
+        raise DatabaseError(_refusal(path, f"is {kind}, not a regular file"))
     try:
         real.parent.mkdir(parents=True, exist_ok=True)
         with _locked(real):
             now = load(real, fmt, version)
             if now.problem is not None:
-                raise DatabaseError(refusal(path, now.problem))
+                raise DatabaseError(_refusal(path, now.problem))
             new = change(dict(now.entries))
             if new != now.entries or not now.exists:
                 write_json_atomic(real, {"format": fmt, "version": version, "entries": new})
@@ -262,6 +276,15 @@ def _locked(path: Path):
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write ``data`` to ``path`` through a temporary file and ``os.replace`` (the file's
     mode is kept; a new file gets 0644: mkstemp's 0600 would hide it from the user's tools).
+    Callers that share the file hold the lock (``update``).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib, json
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.json"
+    >>> write_json_atomic(path, {"a": 1})
+    >>> json.loads(path.read_text())
+    {'a': 1}
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -285,7 +308,19 @@ def write_json_atomic(path: Path, data: dict) -> None:
 
 def write_json_new(path: Path, data: dict) -> None:
     """Write ``data`` to a new file ``path``; ``DatabaseError`` if anything is there (an
-    export never replaces a file)."""
+    export never replaces a file).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.json"
+    >>> write_json_new(path, {"a": 1})
+    >>> try:
+    ...     write_json_new(path, {"b": 2})
+    ... except DatabaseError as e:
+    ...     print(str(e).split(";")[0].endswith("t.json already exists"))
+    True
+    """
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:
