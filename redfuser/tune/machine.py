@@ -41,7 +41,7 @@ from ..lowering.cpu.plan import FOLD_LANES, LANES, TILE_ELEMENTS
 from ..runtime import allocate_outputs, build, random_inputs, time_built
 from ..tvm_adapter import cpu_target, cuda_device_name, default_threads
 from .db import cache_dir
-from .store import DatabaseError, load, update, warn_unusable
+from .store import DatabaseError, load, update, user_level, warn_unusable
 from .work import element_work
 
 FORMAT, VERSION, FILENAME = "redfuser-machine", 1, "machine.json"
@@ -162,7 +162,7 @@ def _cpu_figures(key: str, measure: bool) -> Machine:
         _UNSAVED[str(path), key] = figures
         warnings.warn(f"redfuser: the machine figures were measured but not cached ({e}); "
                       "this process uses them, the next one measures again", RuntimeWarning,
-                      stacklevel=3)
+                      stacklevel=user_level())
     return figures
 
 

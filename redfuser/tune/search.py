@@ -36,7 +36,7 @@ from .cost import predict
 from .db import TuningDB, entry_key, record_problem
 from .machine import Machine, machine, machine_id
 from .space import plan_from_params, plan_params, same_plan, space
-from .store import DatabaseError
+from .store import DatabaseError, user_level
 
 Measure = Callable[[Geometry, Plan, int], float]  # (geometry, plan, repeat) -> milliseconds
 
@@ -167,7 +167,7 @@ def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5
             store(db or TuningDB(), result)
         except (DatabaseError, ValueError) as e:
             warnings.warn(f"redfuser: the tuned plan was not stored: {e}", RuntimeWarning,
-                          stacklevel=2)
+                          stacklevel=user_level())
     return result
 
 
@@ -257,14 +257,14 @@ def tuned_plan(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
             return record_plan(record, rule, geo, target, fast_math)
         except (KeyError, TypeError, ValueError) as e:
             warnings.warn(f"redfuser: ignoring a tuning record in {db.path}: {e}",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=user_level())
     if not search:
         return None
     try:
         return tune(rule, geo, target, fast_math=fast_math, db=db, measure=measure).best
     except RuntimeError as e:  # nothing could be measured (e.g. no device): hand-written
         warnings.warn(f"redfuser: schedule search failed ({e}); using the hand-written plan",
-                      RuntimeWarning, stacklevel=2)
+                      RuntimeWarning, stacklevel=user_level())
         return None
 
 

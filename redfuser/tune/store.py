@@ -33,6 +33,7 @@ locked and replaced (a database linked into a shared directory stays shared).
 from __future__ import annotations
 
 import fcntl
+import inspect
 import json
 import os
 import stat
@@ -173,6 +174,24 @@ def _checked(data: object, fmt: str, version: int) -> dict:
     return entries
 
 
+PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep  # redfuser's own files
+
+
+def user_level() -> int:
+    """The ``stacklevel`` that makes a warning name the first line outside redfuser (the
+    user's call, not ours), for a ``warnings.warn`` in the function calling this one.
+
+    Examples
+    --------
+    >>> user_level()  # called from outside redfuser: the caller itself
+    1
+    """
+    frame, level = inspect.currentframe().f_back, 1
+    while frame is not None and frame.f_code.co_filename.startswith(PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 _WARNED: set[tuple[str, str]] = set()  # (file, reason) already reported by this process
 
 
@@ -205,7 +224,7 @@ def warn_unusable(path: Path, problem: str) -> None:
         return
     _WARNED.add((str(path), problem))
     warnings.warn(f"redfuser: ignoring {path}: it {problem}; it is left as it is (writes "
-                  "to it are refused)", RuntimeWarning, stacklevel=3)
+                  "to it are refused)", RuntimeWarning, stacklevel=user_level())
 
 
 def _refusal(path: Path, problem: str) -> str:
