@@ -135,8 +135,7 @@ def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
 
 def _tune_cmd(args: argparse.Namespace) -> int:
     from .tune import TuningDB, describe, machine, shape_geometry, space, tune  # lazily
-    from .tune.search import store
-    from .tune.store import DatabaseError
+    from .tune.search import DatabaseError, store  # lazily (module doc)
 
     try:
         rule = derive(args.spec)
@@ -170,9 +169,8 @@ def _tune_cmd(args: argparse.Namespace) -> int:
 
 
 def _db_cmd(args: argparse.Namespace) -> int:
-    from .tune import TuningDB  # lazily (module doc)
-    from .tune.share import fold, show
-    from .tune.store import DatabaseError
+    from .tune import DatabaseError, TuningDB  # lazily (module doc)
+    from .tune.share import fold, show  # lazily (module doc)
 
     db = TuningDB(args.db)
     try:
