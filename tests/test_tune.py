@@ -278,7 +278,7 @@ def test_compiles_read_the_database_unless_told_not_to(cache):
     x = x.astype(np.float32)
     geo = geo_of("softmax", {"x": (4, 64)})
     key = entry_key(rule, geo, "cpu", machine_id())
-    TuningDB().put(key, {"plan": {"variant": "split", "lanes": 4, "tile": 2, "splits": 2},
+    TuningDB().put(key, {"plan": {"variant": "split", "lanes": 16, "splits": 2},
                          "measured_ms": 0.01})
     k = redfuser.compile(rule)
     np.testing.assert_allclose(k(x=x)["y"], redfuser.reference("softmax", {"x": x})["y"],
@@ -312,7 +312,7 @@ def test_the_model_alone_chooses_the_variant(cache, monkeypatch):
 def test_a_tuned_plan_that_no_longer_builds_falls_back(cache, monkeypatch):
     rule, x = rule_for("logsumexp"), np.ones((2, 64), np.float32)
     key = entry_key(rule, geo_of("logsumexp", {"x": (2, 64)}), "cpu", machine_id())
-    TuningDB().put(key, {"plan": {"variant": "split", "lanes": 4, "splits": 2},
+    TuningDB().put(key, {"plan": {"variant": "split", "lanes": 16, "splits": 2},
                          "measured_ms": 0.01})
     real = runtime.build_primfunc
 
