@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import redfuser
+from algebra.skip import skip_conditions
 from algebra.stash import stashes
 from redfuser.lowering.cpu.plan import FOLD_LANES, TILE_ELEMENTS, lane_aligned, stash_applies
 from redfuser.lowering.emitter import folded
@@ -148,3 +149,34 @@ def test_a_values_only_selection_reads_its_indexed_twin():
     out = redfuser.compile("moe_routing", tune=False)(x=x)
     check(out, redfuser.reference("moe_routing", {"x": x}))
     assert (np.diff(out["p"], axis=1) <= 0).all()  # the twin's sorted values, best first
+
+
+# -- skipped and unmasked tiles (algebra.skip) ---------------------------------------------------
+
+def test_skip_conditions_need_identity_terms_and_no_count():
+    assert [str(c) for c in skip_conditions(rule_for("causal_attention"))] == ["i <= pos"]
+    for spec in ("attention", "softmax", "m = max(where(i <= pos, x[i], -inf)); "
+                 "e = argmax(where(i <= pos, x[i], -inf))",  # an index: a fully masked row
+                 "s = sum(where(i <= pos, x[i], 0)) / N"):  # N counts the skipped elements
+        assert skip_conditions(rule_for(spec)) == [], spec
+
+
+@pytest.mark.parametrize("rows, n, d", [(24, 300, 32), (5, 70, 8)])  # row blocks; one lane
+def test_causal_tiles_skipped_or_unmasked_match_the_oracle(rows, n, d):
+    """Queries at positions that make key tiles fully masked (skipped), fully visible (the
+    select dropped) and split by the mask; NaN and inf in masked keys never reach the
+    result; a query with no visible key (pos -1) gives what the reference gives."""
+    g = np.random.default_rng(rows)
+    q = g.normal(size=(2, rows, d)).astype(np.float32)
+    k = g.normal(size=(2, 1, n, d)).astype(np.float32)
+    v = g.normal(size=(2, 1, n, d)).astype(np.float32)
+    pos = np.sort(g.integers(-1, n + 5, size=(1, rows))).astype(np.float32)
+    pos[0, 0] = -1
+    for j in range(int(pos.max()) + 1, n):
+        k[:, :, j, j % d], v[:, :, j, (j + 1) % d] = np.nan, np.inf
+    inputs = {"q": q, "k": k, "v": v, "scale": d ** -0.5, "pos": pos}
+    ref = redfuser.reference("causal_attention", inputs)
+    for variant in ("rolling", "unfused"):
+        kernel = redfuser.compile("causal_attention", variant=variant, tune=False)
+        check(kernel(**inputs), ref, rtol=1e-5, atol=1e-6)
+    assert (kernel.plan.row_block > 1) == (rows >= 16)

@@ -24,6 +24,7 @@ import sympy as sp
 
 from algebra.components import COUNT, LinearComponent, SelectComponent, primed
 from algebra.rule import FusionRule
+from algebra.skip import skip_conditions
 from algebra.spec import INDEX, LENGTH
 from algebra.stash import tile_anchor
 
@@ -60,6 +61,7 @@ class Emitter(SelectSteps, SettleSteps):
         self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
         self.anchor_names = working_anchors(rule)
         self.components, self.aliases = folded(rule)
+        self.assumed: dict = {}  # condition -> sympy true/false (``assuming``)
         self.simd, self.scratch = simd, scratch
         self.stashed: dict[int, list] = {}  # id(component) -> [(column, output buffer)]
         self.stash_end = 0  # elements [0, stash_end) of each row hold stashed values
@@ -109,8 +111,21 @@ class Emitter(SelectSteps, SettleSteps):
         return look
 
     def expr(self, e: sp.Expr, look):
+        if self.assumed:  # conditions known to hold on the block being emitted
+            e = e.xreplace(self.assumed)
         with statement_lets(T.bind):
             return to_tir(e, look, F32, self.plan.fast_math)
+
+    @contextmanager
+    def assuming(self, facts: dict):
+        """Emit with conditions replaced by known truth values: inside a block where a
+        select's condition holds everywhere, ``where(c, a, b)`` is ``a`` (select semantics,
+        exact for inf and NaN in b)."""
+        before, self.assumed = self.assumed, {**self.assumed, **facts}
+        try:
+            yield
+        finally:
+            self.assumed = before
 
     def states(self, lanes: int) -> States:
         """Registers for ``lanes`` lanes, in this target's scratch scope."""
@@ -369,6 +384,28 @@ class Emitter(SelectSteps, SettleSteps):
                 T.buffer_store(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
                                [r, slot])
 
+    # Skipped blocks (``algebra.skip``) --------------------------------------------------
+    def block_mask(self, rows: list, base, size: int):
+        """(cond, none, every): for the rule's skip condition ``cond`` (``algebra.skip``)
+        monotone in the element index, TIR tests that it holds on no element of [base,
+        base + size) for any row of ``rows`` (the block leaves them unchanged: skip it),
+        and on every element for every row (emit it with ``cond`` true); None if there
+        is no such condition.  Tested at the block's two ends."""
+        for cond in skip_conditions(self.rule):
+            found = _index_bound(cond)
+            if found is None:
+                continue
+            op, bound = found
+            first, last = tirx.Cast(F32, base), tirx.Cast(F32, base + size - 1)
+            none, every = [], []
+            for r in rows:
+                e = T.bind(self.expr(bound, self.base_lookup(r)))
+                lo, hi = (first, last) if op in ("<=", "<") else (last, first)
+                none.append(_holds(op, lo, e, negate=True))
+                every.append(_holds(op, hi, e))
+            return cond, all_of(none), all_of(every)
+        return None
+
     # Stashed per-element outputs (``algebra.stash``) ----------------------------------
     def stash_into(self, outs: dict, end: int):
         """The statistics pass writes each stashable output's basis value into ``outs[name]``
@@ -458,6 +495,30 @@ def folded(rule: FusionRule) -> tuple[list, dict[str, str]]:
             aliases[c.state[0].symbol.name] = twin.state[0].symbol.name
             skip.add(id(c))
     return [c for c in rule.components if id(c) not in skip], aliases
+
+
+def _holds(op: str, i, e, negate: bool = False):
+    """``i op e`` (or its negation) in TIR."""
+    if negate:
+        op = {"<=": ">", "<": ">=", ">=": "<", ">": "<="}[op]
+    return {"<=": i <= e, "<": i < e, ">=": i >= e, ">": i > e}[op]
+
+
+def _index_bound(cond) -> tuple[str, sp.Expr] | None:
+    """(op, e) for a condition ``i op e`` with e free of the index (either side), else None."""
+    ops = {sp.LessThan: "<=", sp.StrictLessThan: "<", sp.GreaterThan: ">=",
+           sp.StrictGreaterThan: ">"}
+    if type(cond) not in ops:
+        return None
+    if getattr(cond.lhs, "name", None) == INDEX:
+        rel = cond
+    elif getattr(cond.rhs, "name", None) == INDEX:
+        rel = cond.reversed
+    else:
+        return None
+    if any(s.name == INDEX for s in rel.rhs.free_symbols):
+        return None
+    return ops[type(rel)], rel.rhs
 
 
 def direct(comp) -> bool:

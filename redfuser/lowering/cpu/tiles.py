@@ -19,6 +19,8 @@ tile and the derived merge pays the rescale once per tile instead of once per el
 
 from __future__ import annotations
 
+import sympy as sp
+
 from algebra.components import COUNT, LinearComponent, SelectComponent
 from algebra.rule import FusionRule
 
@@ -78,7 +80,16 @@ def tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool 
     """One row: lanes [lanes, 2 lanes) hold the tile of lanes x size elements, merged into
     the running lanes [0, lanes) at the end.  ``first``: the row's first tile, folded
     straight into the running lanes (they hold the identity: the merge would be a copy).
-    ``aligned`` (``lane_aligned``): each level's single selections are shared by all lanes."""
+    ``aligned`` (``lane_aligned``): each level's single selections are shared by all lanes.
+    One lane (no stash there): under a mask, like ``tile_rows``."""
+    if lanes == 1:
+        return masked(em, [r], base, size, lambda: _tile(em, st, r, base, lanes, size,
+                                                         aligned, first))
+    return _tile(em, st, r, base, lanes, size, aligned, first)
+
+
+def _tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool,
+          first: bool):
     at = 0 if first else lanes
     dots = tile_dots(em, [r], base, lanes * size)[0] if lanes == 1 else None
     with _lane_loop(lanes) as lane:
@@ -103,6 +114,27 @@ def tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool 
 
 def tile_rows(em: Emitter, sts: list, rows: list, base, size: int):
     """A block of rows, one lane each: lane 1 of every row's registers holds the tile."""
+    masked(em, rows, base, size, lambda: _tile_rows(em, sts, rows, base, size))
+
+
+def masked(em: Emitter, rows: list, base, size: int, emit):
+    """``emit`` the tile under a mask (``Emitter.block_mask``, e.g. causal attention's
+    i <= pos): skipped where the mask excludes all of it (about half the tiles of a causal
+    prefill), emitted with the mask true where it includes all of it (no select, no
+    count), and as it is only across the mask's edge."""
+    mask = em.block_mask(rows, base, size)
+    if mask is None:
+        return emit()
+    cond, none, every = mask
+    with T.If(tirx.Not(none)), T.Then():
+        with T.If(every):
+            with T.Then(), em.assuming({cond: sp.true}):
+                emit()
+            with T.Else():
+                emit()
+
+
+def _tile_rows(em: Emitter, sts: list, rows: list, base, size: int):
     dots = tile_dots(em, rows, base, size)
     for st in sts:
         _start(st, 1, size)
