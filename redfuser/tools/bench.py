@@ -2,8 +2,10 @@
 
 For each workload: the fused kernel (allocating its outputs, and with ``out=``
 preallocated ones), the unfused kernel (same scheduling, one pass per reduction), numpy,
-torch eager and torch.compile when torch is installed, and a plain copy of the input
-bytes (allocating, and ``copy_`` into a preallocated array) — all float32, medians of
+torch eager and torch.compile when torch is installed, a plain copy of the input bytes
+(allocating, ``copy_`` into a preallocated array, which memcpy does with non-temporal
+stores, and ``x*1`` into it, with the ordinary stores every kernel here uses), and a
+read-only pass over them (``read``, a sum) — all float32, medians of
 repeated runs in one process, with the thread count printed.  Ratios are measured in the
 same run because these machines are shared and noisy.  Each row also states its distance
 to this machine's limits (``limits``): GB/s moved (inputs + outputs, the ``out=`` call)
@@ -226,6 +228,10 @@ def _time_all(w: Workload, inputs: dict, fused, unfused, torch, repeat: int,
            "numpy": median_ms(lambda: w.numpy(inputs), repeat),
            "copy": median_ms(src.copy, repeat),
            "copy_": median_ms(lambda: np.copyto(into, src), repeat),
+           # the same bytes through ordinary (cached) stores: memcpy streams past the cache
+           # (non-temporal stores, no read-for-ownership), which TVM's LLVM codegen cannot emit
+           "x*1": median_ms(lambda: np.multiply(src, 1, out=into), repeat),
+           "read": median_ms(lambda: src.sum(), repeat),  # a read-only pass over the input
            "bytes": sum(v.nbytes for v in inputs.values() if isinstance(v, np.ndarray)) +
            sum(v.nbytes for v in out.values()),
            "flops": w.flops(inputs) if w.flops else None}
@@ -241,7 +247,7 @@ def _time_all(w: Workload, inputs: dict, fused, unfused, torch, repeat: int,
 
 
 COLUMNS = ("fused", "out=", "tuned", "unfused", "numpy", "torch", "torch.compile", "copy",
-           "copy_")
+           "copy_", "x*1", "read")
 WIDTH = {c: max(9, len(c) + 1) for c in COLUMNS}
 
 
@@ -252,6 +258,8 @@ def _line(row: dict, limits: dict) -> str:
     ratios = [f"unfused/fused {row['unfused'] / f:5.2f}"]
     ratios += [f"{k}/fused {row[k] / f:5.2f}" for k in ("torch", "torch.compile") if k in row]
     ratios.append(f"out=/copy_ {row['out='] / row['copy_']:5.2f}")
+    ratios.append(f"out=/x*1 {row['out='] / row['x*1']:5.2f}")
+    ratios.append(f"out=/read {row['out='] / row['read']:5.2f}")
     if row["flops"]:
         rate = row["flops"] / f / 1e6
         ratios.append(f"{rate:7.1f} GFLOP/s ({rate / limits['gflops']:4.0%} of peak)")
