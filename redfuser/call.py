@@ -73,12 +73,14 @@ class CallPlan:
     inputs: tuple[tuple[str, tuple[int, int, int]], ...]  # kernel argument order
     outputs: tuple[Output, ...]
     direct: bool
+    framework: object  # the module whose tensors the outputs are returned as (None: numpy)
 
 
 
 def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
-              key: tuple) -> CallPlan:
-    """The ``CallPlan`` of a signature whose layout was checked and whose kernel is built."""
+              key: tuple, inputs: dict) -> CallPlan:
+    """The ``CallPlan`` of a signature whose layout was checked and whose kernel is built
+    (``inputs``: the first call's, whose kinds the key fixes)."""
     sig = signature(rule, geo)
     vector = vector_results(rule.cascade, layout.vector)
     outs = tuple(Output(a.name, a.shape, _user_shape(rule, layout, a, vector),
@@ -89,7 +91,8 @@ def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
                                f"hold user shape {o.user_shape}")
     direct = all(k[-1] and (k[2] is None or _is_f32(k[2])) for _, k in key)
     return CallPlan(geo, built, built.executable[FUNC_NAME],
-                    tuple((a.name, a.shape) for a in sig.inputs), outs, direct)
+                    tuple((a.name, a.shape) for a in sig.inputs), outs, direct,
+                    framework_of(inputs))
 
 
 def _is_f32(dtype) -> bool:

@@ -29,7 +29,6 @@ from algebra.layout import resolve
 from .call import (
     CallPlan,
     call_plan,
-    framework_of,
     in_kind,
     input_arrays,
     input_key,
@@ -185,12 +184,12 @@ class Kernel:
         layout = None if plan.direct else self._layout(inputs)
         users, tensors = output_arrays(plan, out)
         plan.func(*input_arrays(plan, inputs, layout), *tensors)
-        return in_kind(users, out, framework_of(inputs))
+        return in_kind(users, out, plan.framework)
 
     def _new_call(self, key: tuple, inputs: dict) -> CallPlan:
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
-        plan = call_plan(self.rule, layout, geo, self._compiled(geo), key)
+        plan = call_plan(self.rule, layout, geo, self._compiled(geo), key, inputs)
         self._calls[key] = plan
         _evict(self._calls)
         return plan
@@ -208,7 +207,7 @@ class Kernel:
         plan.func(*layout_tensors(layout, plan.geo, dev), *tensors)
         for o, t in zip(plan.outputs, tensors, strict=True):
             np.copyto(np.asarray(users[o.name]).reshape(o.kernel_shape), t.numpy())
-        return in_kind(users, out, framework_of(inputs))
+        return in_kind(users, out, plan.framework)
 
     def time(self, repeat: int = 5, **inputs) -> float:
         """Median milliseconds of the kernel alone on ``inputs`` (inputs and outputs already on
