@@ -151,6 +151,19 @@ def test_a_values_only_selection_reads_its_indexed_twin():
     assert (np.diff(out["p"], axis=1) <= 0).all()  # the twin's sorted values, best first
 
 
+@pytest.mark.parametrize("n", [32, 300, 3 * TILE_ELEMENTS])
+def test_an_anchor_read_from_its_twin_is_folded_before_what_it_anchors(n):
+    """greedy_token's m = max(x) is argmax(x)'s best: folded after d, d's tile anchor was the
+    initial -inf (read as 0), and exp(86 - 0) summed over 32 elements overflowed (CI, issue
+    11's fast paths)."""
+    comps, aliases = folded(rule_for("greedy_token"))
+    assert aliases["m"] == "token_best" and comps[0].reduction.name == "token"
+    x = np.full((2, n), 86.0, np.float32)
+    x[1, n // 2] = 88.0
+    check(redfuser.compile("greedy_token", tune=False)(x=x),
+          redfuser.reference("greedy_token", {"x": x}))
+
+
 # -- skipped and unmasked tiles (algebra.skip) ---------------------------------------------------
 
 def test_skip_conditions_need_identity_terms_and_no_count():

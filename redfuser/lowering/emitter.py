@@ -485,16 +485,22 @@ def folded(rule: FusionRule) -> tuple[list, dict[str, str]]:
     """The components the kernel folds, and the states it reads from a twin instead: a
     selection of values only (``topk(g, k)``, ``max(g)``) whose twin selects the same g, k
     and direction with indices (``argtopk(g, k)``) holds exactly the twin's values, so it is
-    not folded a second time."""
+    not folded a second time.  The twin takes the place of the first selection it stands in
+    for: a tile folds its anchors level by level, so ``m = max(x)`` read as
+    ``argmax(x)``'s best must still be folded before the sums anchored on it."""
     selects = [c for c in rule.components if isinstance(c, SelectComponent)]
-    aliases, skip = {}, set()
-    for c in selects:
-        twin = next((t for t in selects if len(c.state) == 1 and len(t.state) == 2 and
-                     (t.core, t.direction, t.k) == (c.core, c.direction, c.k)), None)
-        if twin is not None:
-            aliases[c.state[0].symbol.name] = twin.state[0].symbol.name
-            skip.add(id(c))
-    return [c for c in rule.components if id(c) not in skip], aliases
+    twins = {id(c): t for c in selects for t in selects
+             if len(c.state) == 1 and len(t.state) == 2 and
+             (t.core, t.direction, t.k) == (c.core, c.direction, c.k)}
+    aliases = {c.state[0].symbol.name: twins[id(c)].state[0].symbol.name
+               for c in selects if id(c) in twins}
+    order, placed = [], set()
+    for c in rule.components:
+        c = twins.get(id(c), c)
+        if id(c) not in placed:
+            order.append(c)
+            placed.add(id(c))
+    return order, aliases
 
 
 def _holds(op: str, i, e, negate: bool = False):

@@ -109,6 +109,8 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
             return lookup(e)
         if e.is_number:
             return const(e, dtype)
+        if e.is_Add and (common := sp.factor_terms(e)).is_Mul:
+            return go(common)  # (x - m) / T, not x/T - m/T: x - m is exact when x is near m
         if e.is_Add or e.is_Mul:
             terms = [go(a) for a in _ordered(e)]
             out = terms[0]

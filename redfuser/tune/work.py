@@ -26,6 +26,7 @@ from algebra.functions import Dot
 from ..lowering import Geometry, shape_geometry
 from ..lowering.cpu.plan import LANES, vector_lanes
 from ..lowering.cpu.tiles import levels
+from ..lowering.emitter import folded
 from ..lowering.geometry import component_exprs, is_vec
 
 CALLS = {"exp", "log", "tanh", "erf", "sin", "cos", "log1p", "expm1", "Sigmoid", "Softplus"}
@@ -188,7 +189,7 @@ def _rule_work(rule, geo: Geometry) -> RuleWork:
         shared_count(list(rule.running.values()), vec), _elementwise_work(rule, geo),
         tuple(count(r.body, vec) + _reduce_ops(r.k) for r in reds), _stage_lanes(rule, geo),
         any(isinstance(c, LinearComponent) and c.anchors for c in rule.components),
-        sum(max(map(_chain, level)) for level in levels(rule, rule.components)),
+        sum(max(map(_chain, level)) for level in levels(rule, folded(rule)[0])),
         tuple(_chain_of(r.op, r.k) for r in reds),
         float(sum(g.width > 1 and g.length > 1 for g in geo.inputs.values())), float(wide),
         float(len(set().union(*(e.atoms(Dot) for e in fold)))))

@@ -25,7 +25,7 @@ from algebra.components import COUNT, LinearComponent, SelectComponent
 from algebra.rule import FusionRule
 
 from ...tvm_adapter import T, tirx
-from ..emitter import Emitter, direct
+from ..emitter import Emitter, direct, folded
 from ..invariants import rule_dots, split_invariant
 from ..registers import Const0, States
 from ..signature import F32
@@ -36,9 +36,11 @@ def levels(rule: FusionRule, components) -> list[list]:
     """``components`` (the rule's that are folded) in groups whose anchors all come from
     earlier groups: a group's tile loops are one loop, so a shared exp(x - m) is computed
     once per element."""
+    aliases = folded(rule)[1]
     out, produced = [], set()
     for comp in components:
-        reads = {s.name for a in comp.anchors for s in rule.running[a.name].free_symbols}
+        reads = {aliases.get(s.name, s.name)
+                 for a in comp.anchors for s in rule.running[a.name].free_symbols}
         if not out or reads & produced:
             out.append([])
             produced = set()
