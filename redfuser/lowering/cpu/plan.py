@@ -5,7 +5,9 @@ once (the unfused baseline reads it once per reduction); rows are spread over th
 threads; when there are fewer rows than threads and the stream is long, the split
 variant (flash-decoding) cuts each row into S pieces whose partial states are
 combined with the derived merge.  Lanes vectorize the update when every state is a
-per-row scalar (no feature axis, no dot product, no top-k insertion).
+per-row scalar (no feature axis, no dot product, no top-k insertion).  A rule holding
+matrix products (``lowering.products``: RMSNorm + GEMM) runs them as a blocked GEMM with
+the blocking of ``GEMM`` (``gemm.py``), the rest of the cascade in lanes beside them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from algebra.rule import FusionRule
 from ...tvm_adapter import default_threads
 from ..geometry import Geometry, component_exprs
 from ..plan import Plan, check_variant
+from ..products import products, without
 
 LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per step
 # Lanes of a many-lane fold: four registers, so each state accumulates in four independent
@@ -43,6 +46,21 @@ KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. atten
 ROW_BLOCK, BLOCK_TILE = 8, 32
 BLOCK_MIN_ELEMENTS = 8192  # 32 KB of float32: a shared stream smaller than L1 is cheap to reread
 MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
+# The GEMM micro-kernel and its cache blocks (``gemm.py``): name -> (value, why).  The
+# machine: AMD EPYC Zen 5, two 512-bit FMA pipes (4-cycle latency), 32 zmm registers,
+# 48 KB L1d and 1 MB L2 per core.
+GEMM: dict[str, tuple[int, str]] = {
+    "mr": (6, "rows per micro-kernel: 6 x 4 = 24 accumulators + 4 panel vectors + 1 "
+              "broadcast fit the 32 vector registers, and 24 independent multiply-add chains "
+              "cover the FMA latency (2 pipes x 4 cycles = 8 in flight)"),
+    "nr": (64, "columns per micro-kernel and per packed panel of W: 4 vectors of 16 lanes"),
+    "kc": (256, "K per block: a packed panel (KC x NR x 4 B = 64 KB) stays in L2 while every "
+                "micro-kernel of the row block reads it; the sums are loaded and stored once "
+                "per KC multiply-adds"),
+    "nc": (512, "columns per packed block of W: KC x NC x 4 B = 512 KB, half of the L2"),
+    "mc": (256, "most rows per row block (one parallel task): its packed A (MC x KC x 4 B = "
+                "256 KB) stays in L2 while the panels pass"),
+}
 
 
 def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
@@ -97,6 +115,10 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     check_variant(variant)
     threads = threads or default_threads()
     lanes = vector_lanes(rule, geo)
+    blocks = gemm_blocks(rule, geo, threads) if variant != "split" else None
+    if blocks is not None and not (variant is None and geo.r < threads and
+                                   geo.n >= 2 * MIN_SPLIT_ELEMENTS):
+        return _gemm_plan(rule, geo, variant, fast_math, blocks)
     if variant == "unfused":
         block = row_block_for(geo, lanes, threads)  # the same scheduling quality per pass
         tile = BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n) if lanes > 1 else 1
@@ -132,3 +154,33 @@ def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:
                  g.length * g.width >= BLOCK_MIN_ELEMENTS for g in geo.inputs.values())
     enough = geo.r >= ROW_BLOCK * threads
     return ROW_BLOCK if lanes == 1 and shared and enough and geo.d % LANES == 0 else 1
+
+
+def gemm_blocks(rule: FusionRule, geo: Geometry, threads: int) -> dict[str, int] | None:
+    """The GEMM blocking (``GEMM``, fitted to the shapes) when ``rule`` holds matrix products
+    worth a micro-kernel at ``geo``: at least MR rows (fewer is mostly padding) and a
+    shared stream of at least BLOCK_MIN_ELEMENTS (smaller, re-reading it is cheap)."""
+    mr = GEMM["mr"][0]
+    if not products(rule, geo) or geo.r < mr or geo.n * geo.d < BLOCK_MIN_ELEMENTS:
+        return None
+    nr = min(GEMM["nr"][0], -(-geo.d // LANES) * LANES)
+    width = -(-geo.d // nr) * nr
+    tasks = max(threads, -(-geo.r // GEMM["mc"][0]))  # every thread gets a row block
+    per_task = -(-geo.r // tasks)
+    return {"mr": mr, "nr": nr, "kc": min(GEMM["kc"][0], geo.n),
+            "nc": min(GEMM["nc"][0] // nr * nr, width), "mc": -(-per_task // mr) * mr}
+
+
+def _gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: bool,
+               blocks: dict[str, int]) -> Plan:
+    """Rolling or unfused with the matrix products as a blocked GEMM; the rest of the
+    cascade (RMSNorm's sum(x**2)) folds in its own lanes."""
+    rest = without(rule, products(rule, geo))
+    lanes = vector_lanes(rest, geo) if rest.components else 1
+    why = "requested" if variant else f"{geo.r} rows hold {len(products(rule, geo))} matrix " \
+                                      "product(s)"
+    why += f"; rows in blocks of {blocks['mc']} in parallel, a blocked GEMM " + \
+        ("per product pass" if variant == "unfused" else "with the other reductions folded "
+         "in the same pass over each row")
+    return Plan(variant or "rolling", lanes, 1, fast_math, why, tile=tile_for(rest, lanes),
+                **blocks)
