@@ -53,6 +53,7 @@ def _names(e: sp.Expr) -> set[str]:
 
 # (condition a component must meet, why a component failing it is no matrix product)
 CONDITIONS: tuple[tuple[Callable[[object, Geometry], bool], str], ...] = (
+    (lambda c, geo: geo.n > 0, "the stream is empty"),
     (lambda c, geo: isinstance(c, LinearComponent), "not a sum"),
     (lambda c, geo: len(c.columns) == 1 and c.columns[0] != COUNT, "more than one column"),
     (lambda c, geo: c.matrix == sp.eye(1), "its state is re-anchored during the pass"),

@@ -118,7 +118,7 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     blocks = gemm_blocks(rule, geo, threads) if variant != "split" else None
     if blocks is not None and not (variant is None and geo.r < threads and
                                    geo.n >= 2 * MIN_SPLIT_ELEMENTS):
-        return _gemm_plan(rule, geo, variant, fast_math, blocks)
+        return gemm_plan(rule, geo, variant, fast_math, blocks)
     if variant == "unfused":
         block = row_block_for(geo, lanes, threads)  # the same scheduling quality per pass
         tile = BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n) if lanes > 1 else 1
@@ -171,10 +171,22 @@ def gemm_blocks(rule: FusionRule, geo: Geometry, threads: int) -> dict[str, int]
             "nc": min(GEMM["nc"][0] // nr * nr, width), "mc": -(-per_task // mr) * mr}
 
 
-def _gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: bool,
+def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: bool,
                blocks: dict[str, int]) -> Plan:
-    """Rolling or unfused with the matrix products as a blocked GEMM; the rest of the
-    cascade (RMSNorm's sum(x**2)) folds in its own lanes."""
+    """Rolling or unfused (``variant``; None: rolling) with the matrix products as a blocked
+    GEMM of ``blocks`` (mr, nr, kc, nc, mc); the rest of the cascade (RMSNorm's sum(x**2))
+    folds in its own lanes.
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("rmsnorm_gemm")
+    >>> geo = shape_geometry(rule, {"x": (7, 40), "w": (40, 20)})
+    >>> blocks = dict(mr=2, nr=16, kc=8, nc=16, mc=4)
+    >>> gemm_plan(rule, geo, "unfused", True, blocks).mc
+    4
+    """
     rest = without(rule, products(rule, geo))
     lanes = vector_lanes(rest, geo) if rest.components else 1
     why = "requested" if variant else f"{geo.r} rows hold {len(products(rule, geo))} matrix " \
