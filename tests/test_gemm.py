@@ -26,6 +26,7 @@ import redfuser
 from redfuser.lowering import choose, shape_geometry
 from redfuser.lowering.cpu.plan import GEMM, gemm_blocks, gemm_plan
 from redfuser.lowering.products import products, why_not
+from redfuser.tune import describe, plan_from_params, plan_params, space
 
 # (spec, its magnitude: every summed term in absolute value)
 CASCADES = (
@@ -176,3 +177,32 @@ def test_unfused_baseline_has_the_same_micro_kernel():
     fused, unfused = choose(rule, geo, threads=2), choose(rule, geo, "unfused", threads=2)
     assert dataclasses.replace(unfused, variant="rolling", reason="") == \
         dataclasses.replace(fused, reason="")
+
+
+def test_the_schedule_space_searches_the_blocking_and_every_value_builds():
+    """The tuner's space has mr, nr, kc for a rule with products; every value (a covering
+    set of candidates) builds and matches the oracle; a GEMM plan survives the database's
+    round trip and a plan without one shows no GEMM fields."""
+    spec, magnitude = CASCADES[0]
+    rule = rule_for(spec)
+    inputs = make_inputs(spec, np.random.default_rng(5), (13,), 300, 40, special=False)
+    geo = redfuser.compile(rule).geometry(**inputs)
+    s = space(rule, geo)
+    names = [p.name for p in s.variants["rolling"]]
+    assert {"mr", "nr", "kc"} <= set(names) and "row_block" not in names
+    gemm = [p for p in s.candidates() if p.mr]
+    assert gemm and all(p.mr * p.nr // 16 + p.nr // 16 + 1 <= 32 for p in gemm)
+    values = {(k, getattr(p, k)) for p in gemm for k in ("mr", "nr", "kc", "variant")}
+    chosen = []
+    while values:  # greedy cover: each next plan brings the most values not used yet
+        best = max(gemm, key=lambda p: len(values & {(k, getattr(p, k)) for k in
+                                                     ("mr", "nr", "kc", "variant")}))
+        values -= {(k, getattr(best, k)) for k in ("mr", "nr", "kc", "variant")}
+        chosen.append(best)
+    for plan in chosen:
+        check(redfuser.compile(rule, plan=plan)(**inputs), spec, magnitude, inputs, 300,
+              str(plan))
+    assert plan_from_params(plan_params(chosen[0])) == dataclasses.replace(chosen[0],
+                                                                           reason="")
+    assert "mr=" not in describe(choose(rule_for("softmax"),
+                                        shape_geometry(rule_for("softmax"), {"x": (4, 64)})))
