@@ -25,6 +25,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from algebra.components import COUNT
 from algebra.rule import FusionRule
 from algebra.spec import INDEX
@@ -47,9 +49,21 @@ def _round_up(value: int, step: int) -> int:
 
 
 def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: dict,
-            elementwise: dict, rowvals: dict, fold) -> None:
-    """The blocked nest of ``rule`` (which has matrix products at ``geo``); ``fold`` folds
-    a piece of a row into lanes and merges them (``variants._fold``)."""
+            elementwise: dict, rowvals: dict, fold: Callable) -> None:
+    """The blocked nest of ``rule`` (which has matrix products at ``geo``) into the active
+    IRBuilder frame; ``fold`` folds a piece of a row into lanes and merges them
+    (``variants._fold``), ``rowvals`` are per-row values of earlier unfused stages.
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import build_primfunc, choose, shape_geometry
+    >>> rule = redfuser.derive("rmsnorm_gemm")
+    >>> geo = shape_geometry(rule, {"x": (12, 256), "w": (256, 64)})
+    >>> plan = choose(rule, geo, threads=2)  # the CPU nest of this plan calls rolling
+    >>> (plan.mr, plan.nr), "in T.unroll(6):" in build_primfunc(rule, geo, plan).script()
+    ((6, 64), True)
+    """
     found = products(rule, geo)
     rest = without(rule, found)
     values = {**rowvals, **results}

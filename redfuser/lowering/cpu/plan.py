@@ -159,7 +159,18 @@ def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:
 def gemm_blocks(rule: FusionRule, geo: Geometry, threads: int) -> dict[str, int] | None:
     """The GEMM blocking (``GEMM``, fitted to the shapes) when ``rule`` holds matrix products
     worth a micro-kernel at ``geo``: at least MR rows (fewer is mostly padding) and a
-    shared stream of at least BLOCK_MIN_ELEMENTS (smaller, re-reading it is cheap)."""
+    shared stream of at least BLOCK_MIN_ELEMENTS (smaller, re-reading it is cheap).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("rmsnorm_gemm")
+    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (256, 4096), "w": (4096, 100)}), 2)
+    {'mr': 6, 'nr': 64, 'kc': 256, 'nc': 128, 'mc': 132}
+    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4, 4096), "w": (4096, 100)}), 2) is None
+    True
+    """
     mr = GEMM["mr"][0]
     if not products(rule, geo) or geo.r < mr or geo.n * geo.d < BLOCK_MIN_ELEMENTS:
         return None
