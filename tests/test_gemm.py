@@ -86,7 +86,8 @@ def blockings(draw) -> dict:
     mr = draw(st.integers(1, 8))
     nr = draw(st.sampled_from([16, 32, 64]))
     return {"mr": mr, "nr": nr, "kc": draw(st.integers(1, 300)),
-            "nc": nr * draw(st.integers(1, 3)), "mc": mr * draw(st.integers(1, 5))}
+            "nc": nr * draw(st.integers(1, 3)), "mc": mr * draw(st.integers(1, 5)),
+            "nt": draw(st.integers(1, 3))}
 
 
 @settings(max_examples=examples(0.8))  # each example compiles a kernel (~0.3 s)
@@ -122,14 +123,18 @@ def test_policy_plans_match_the_oracle(case, variant):
 
 
 def test_rmsnorm_gemm_plan_blocks_the_bench_shape():
-    """256 x 4096 -> 4096 (the bench row) gets the GEMM table's blocking, rows split over
-    the threads; a small weight matrix keeps the row-at-a-time plan."""
+    """256 x 4096 -> 4096 (the bench row) gets the GEMM table's blocking; with few rows and
+    a large W the two threads split the columns (W packed once, x read twice) rather than
+    the rows (W packed twice); many rows split the rows.  A small weight matrix keeps the
+    row-at-a-time plan."""
     rule = redfuser.derive("rmsnorm_gemm")
     geo = shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)})
     plan = choose(rule, geo, threads=2)
     assert (plan.mr, plan.nr, plan.kc, plan.nc) == tuple(GEMM[k][0] for k in
                                                          ("mr", "nr", "kc", "nc"))
-    assert plan.mc % plan.mr == 0 and 2 * plan.mc >= 256 > plan.mc
+    assert plan.mc % plan.mr == 0 and plan.mc >= 256 and plan.nt == 2
+    many = choose(rule, shape_geometry(rule, {"x": (4096, 512), "w": (512, 256)}), threads=2)
+    assert many.nt == 1 and many.mc <= 256 + many.mr
     assert plan.lanes == 16, "the sum(x**2) beside the GEMM folds in vector lanes"
     assert "GEMM micro-kernel 6 x 64" in str(plan)
     small = shape_geometry(rule, {"x": (256, 64), "w": (64, 8)})

@@ -25,8 +25,8 @@ row_block   rolling, unfused     rows folded together sharing each load: one lan
 mr, nr, kc  rolling, unfused     the rule holds matrix products (``lowering.products``)
                                  worth a GEMM (``cpu.plan.gemm_blocks``): micro-kernel
                                  rows 4, 6, 8 and columns 16, 32, 64 within the vector
-                                 registers, K blocks 128, 256, 512 (at most N); nc and mc
-                                 as the policy has them.  Lanes and tiles then apply to
+                                 registers, K blocks 128, 256, 512 (at most N); nc, mc
+                                 and nt as the policy has them.  Lanes and tiles then apply to
                                  the rest of the cascade (RMSNorm's sum(x**2))
 ==========  ===================  =====================================================
 
@@ -52,7 +52,7 @@ from ..lowering.products import products, without
 from ..tvm_adapter import default_threads
 from .work import rule_work
 
-GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc")  # 0: no GEMM micro-kernel
+GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc", "nt")  # 0: no GEMM micro-kernel
 TUNED = ("variant", "lanes", "tile", "splits", "threads", "row_block", *GEMM_FIELDS)  # searched
 LANE_VALUES = (1, 16, 32, 64)
 TILES_LANES = (8, 32, 128)  # lanes > 1: elements per lane per tile
@@ -197,7 +197,8 @@ def _gemm(rule, geo: Geometry, variant: str, threads: int) -> list[Param]:
                   "columns per micro-kernel and packed panel"),
             Param("kc", tuple(sorted({min(v, geo.n) for v in KC_VALUES})), "K per block"),
             Param("nc", (blocks["nc"],), "columns per packed block (the policy's)"),
-            Param("mc", (blocks["mc"],), "rows per row block (the policy's)")]
+            Param("mc", (blocks["mc"],), "rows per row block (the policy's)"),
+            Param("nt", (blocks["nt"],), "column ranges per row block (the policy's)")]
 
 
 def _lanes(rule, geo: Geometry, variant: str) -> Param:

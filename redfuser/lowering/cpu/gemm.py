@@ -2,25 +2,27 @@
 
 ``Y[row, :] = sum_i a(row, i) * W[i, :]`` for every product, blocked like BLIS:
 
-- rows in blocks of ``plan.mc`` (one parallel task each); K in blocks of ``plan.kc``;
+- rows in blocks of ``plan.mc`` and columns in ``plan.nt`` ranges: each (row block, column
+  range) one parallel task; K in blocks of ``plan.kc``;
 - per K block, each row of the block is read once: the rest of the cascade (RMSNorm's
-  ``sum(x**2)``) folds that piece of the row with its own lanes and tiles (the piece's
-  state goes to a workspace, the pieces are merged in order at the end, as the split
-  variant does), and ``a(row, i)`` (``x``; ``x / r`` in the unfused baseline) is packed into
-  the block's A buffer (``mc x kc``, in L2);
+  ``sum(x**2)``) folds that piece of the row with its own lanes and tiles (by the first
+  column task; the piece's state goes to a workspace, the pieces are merged in order at the
+  end, as the split variant does), and ``a(row, i)`` (``x``; ``x / r`` in the unfused
+  baseline) is packed into the block's A buffer (``mc x kc``, in L2);
 - W is packed per (K block, ``plan.nc`` columns) by each row block into ``plan.nr``-wide
   panels (``nc / nr`` panels of ``kc x nr``, contiguous; columns past D are zeros), so the
   micro-kernel reads one contiguous stream and a panel stays in L2 while every micro-kernel
   of the block passes over it.  Packing happens inside the kernel, not once per shape: W is
   an input and may change between calls (a cached copy could be stale), and packing each
-  block as it is needed reads W once per row block without a second 64 MB copy in memory;
+  block as it is needed reads W once per row block without a second 64 MB copy in memory
+  (few rows, a large W: split the columns rather than the rows, ``plan.nt``);
 - the micro-kernel keeps ``mr x nr`` sums in vector registers (``mr x nr / 16`` zmm), loads
   ``nr / 16`` vectors of the panel and broadcasts one A value per row for each of the ``kc``
   steps: one load per ``mr`` multiply-adds.  Rows past the block's end repeat its last row
   (the same values stored twice by one task), so there is no row tail;
-- the sums live in a workspace of rows x D rounded up to ``nr``; at the end each row's
-  results are computed from them and the merged statistics (``y / r``), the parts that do
-  not depend on the column (``1 / r``) once per row.
+- the sums live in a workspace of rows x D rounded up to ``nr``; then, rows in parallel,
+  each row's results are computed from them and the merged statistics (``y / r``), the
+  parts that do not depend on the column (``1 / r``) once per row.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
     sums = {p.state: T.alloc_buffer((geo.r, _round_up(geo.d, plan.nr)), F32) for p in found}
     pieces = -(-geo.n // plan.kc)
     work = workspace(rest, geo, geo.r * pieces) if rest.components else None
-    with T.parallel(0, -(-geo.r // plan.mc)) as b:
+    tasks = max(plan.nt, 1)
+    with T.parallel(0, -(-geo.r // plan.mc) * tasks) as t:
+        b, task = tirx.floordiv(t, tasks), tirx.floormod(t, tasks)
         row0 = T.bind(tirx.Cast(I64, b) * plan.mc)
         rows = T.bind(tirx.min(tirx.const(geo.r, I64) - row0, plan.mc))
         packed_a = [T.alloc_buffer((plan.mc, plan.kc), F32) for _ in found]
@@ -79,23 +83,23 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
         with T.serial(0, pieces) as piece:
             k0 = T.bind(tirx.Cast(I64, piece) * plan.kc)
             length = T.bind(tirx.min(tirx.const(geo.n, I64) - k0, plan.kc))
-            with T.serial(0, rows) as j:
-                r = row0 + j
-                if work is not None:
+            if work is not None:  # the statistics: once per row, by the first column task
+                with T.serial(0, tirx.Select(task == 0, rows, tirx.const(0, I64))) as j:
                     st = States(rest, geo, 2 * plan.lanes)
                     for lane in range(plan.lanes):
                         st.init(lane)
-                    fold(em_rest, st, r, k0, length, plan.lanes, plan.tile)
-                    copy_state(st, work, 0, r * pieces + piece, to_work=True)
+                    fold(em_rest, st, row0 + j, k0, length, plan.lanes, plan.tile)
+                    copy_state(st, work, 0, (row0 + j) * pieces + piece, to_work=True)
+            with T.serial(0, rows) as j:
                 for p, a in zip(found, packed_a, strict=True):
-                    _pack_a(em, p, a, j, r, k0, length)
+                    _pack_a(em, p, a, j, row0 + j, k0, length)
             for p, a in zip(found, packed_a, strict=True):
                 blocks = _Blocks(plan, geo, row0, rows, k0, length, piece == 0)
-                blocks.product(bufs[p.weight], a, packed_b, sums[p.state])
-        with T.serial(0, rows) as j:
-            st = _merged(em_rest, rest, geo, work, row0 + j, pieces)
-            _results(em, geo, found, sums, st, row0 + j, results)
-            em.elementwise(row0 + j, elementwise)
+                blocks.product(bufs[p.weight], a, packed_b, sums[p.state], task)
+    with T.parallel(0, geo.r) as r:
+        st = _merged(em_rest, rest, geo, work, r, pieces)
+        _results(em, geo, found, sums, st, r, results)
+        em.elementwise(r, elementwise)
 
 
 def _pack_a(em: Emitter, p: Product, a, j, r, k0, length):
@@ -123,13 +127,17 @@ class _Blocks:
         self.plan, self.geo = plan, geo
         self.row0, self.rows, self.k0, self.length, self.first = row0, rows, k0, length, first
 
-    def product(self, w, a, packed_b, sums):
-        """sums[rows, :] (+)= a[:, :length] @ W[k0 : k0 + length, :] (first piece: =)."""
+    def product(self, w, a, packed_b, sums, task):
+        """sums[rows, cols] (+)= a[:, :length] @ W[k0 : k0 + length, cols] (first piece: =),
+        cols the column range of ``task``: whole panels, 1/nt of the (padded) columns."""
         plan = self.plan
         width = _round_up(self.geo.d, plan.nr)
-        with T.serial(0, -(-width // plan.nc)) as block:
-            c0 = T.bind(tirx.Cast(I64, block) * plan.nc)
-            panels = T.bind(tirx.floordiv(tirx.min(width - c0, plan.nc), plan.nr))
+        span = _round_up(-(-width // max(plan.nt, 1)), plan.nr)
+        lo = T.bind(tirx.Cast(I64, task) * span)
+        hi = T.bind(tirx.min(lo + span, width))
+        with T.serial(0, tirx.floordiv(hi - lo + plan.nc - 1, plan.nc)) as block:
+            c0 = T.bind(lo + tirx.Cast(I64, block) * plan.nc)
+            panels = T.bind(tirx.floordiv(tirx.min(hi - c0, plan.nc), plan.nr))
             self._pack_b(w, packed_b, c0, panels)
             with T.serial(0, panels) as p:
                 with T.serial(0, tirx.floordiv(self.rows + plan.mr - 1, plan.mr)) as mb:

@@ -159,15 +159,19 @@ def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:
 def gemm_blocks(rule: FusionRule, geo: Geometry, threads: int) -> dict[str, int] | None:
     """The GEMM blocking (``GEMM``, fitted to the shapes) when ``rule`` holds matrix products
     worth a micro-kernel at ``geo``: at least MR rows (fewer is mostly padding) and a
-    shared stream of at least BLOCK_MIN_ELEMENTS (smaller, re-reading it is cheap).
+    shared stream of at least BLOCK_MIN_ELEMENTS (smaller, re-reading it is cheap).  The
+    ``threads`` tasks split the rows (each row block packs all of W) or the columns (each
+    column range re-reads the rows), whichever reads less (``_tasks``).
 
     Examples
     --------
     >>> import redfuser
     >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("rmsnorm_gemm")
-    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (256, 4096), "w": (4096, 100)}), 2)
-    {'mr': 6, 'nr': 64, 'kc': 256, 'nc': 128, 'mc': 132}
+    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)}), 2)
+    {'mr': 6, 'nr': 64, 'kc': 256, 'nc': 512, 'mc': 258, 'nt': 2}
+    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4096, 512), "w": (512, 100)}), 2)
+    {'mr': 6, 'nr': 64, 'kc': 256, 'nc': 128, 'mc': 258, 'nt': 1}
     >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4, 4096), "w": (4096, 100)}), 2) is None
     True
     """
@@ -176,10 +180,25 @@ def gemm_blocks(rule: FusionRule, geo: Geometry, threads: int) -> dict[str, int]
         return None
     nr = min(GEMM["nr"][0], -(-geo.d // LANES) * LANES)
     width = -(-geo.d // nr) * nr
-    tasks = max(threads, -(-geo.r // GEMM["mc"][0]))  # every thread gets a row block
-    per_task = -(-geo.r // tasks)
+    row_blocks, nt = _tasks(geo, threads, mr, width // nr)
+    per_block = -(-geo.r // row_blocks)
     return {"mr": mr, "nr": nr, "kc": min(GEMM["kc"][0], geo.n),
-            "nc": min(GEMM["nc"][0] // nr * nr, width), "mc": -(-per_task // mr) * mr}
+            "nc": min(GEMM["nc"][0] // nr * nr, width), "mc": -(-per_block // mr) * mr,
+            "nt": nt}
+
+
+def _tasks(geo: Geometry, threads: int, mr: int, panels: int) -> tuple[int, int]:
+    """(row blocks, column ranges) for at least ``threads`` tasks, reading the least: each
+    row block packs all of W (N x D), each column range re-reads the rows (R x N).  Row
+    blocks hold at most GEMM mc rows (their packed A stays in L2)."""
+    least = -(-geo.r // GEMM["mc"][0])
+    best = None
+    for nt in range(1, min(threads, panels) + 1):
+        blocks = min(max(least, -(-threads // nt)), -(-geo.r // mr))
+        reads = blocks * geo.d + nt * geo.r  # x N elements
+        if best is None or reads < best[0]:
+            best = (reads, blocks, nt)
+    return best[1], best[2]
 
 
 def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: bool,
@@ -202,7 +221,8 @@ def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: b
     lanes = vector_lanes(rest, geo) if rest.components else 1
     why = "requested" if variant else f"{geo.r} rows hold {len(products(rule, geo))} matrix " \
                                       "product(s)"
-    why += f"; rows in blocks of {blocks['mc']} in parallel, a blocked GEMM " + \
+    ranges = f" x {blocks['nt']} column ranges" if blocks.get("nt", 1) > 1 else ""
+    why += f"; rows in blocks of {blocks['mc']}{ranges} in parallel, a blocked GEMM " + \
         ("per product pass" if variant == "unfused" else "with the other reductions folded "
          "in the same pass over each row")
     return Plan(variant or "rolling", lanes, 1, fast_math, why, tile=tile_for(rest, lanes),
