@@ -85,11 +85,8 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
             length = T.bind(tirx.min(tirx.const(geo.n, I64) - k0, plan.kc))
             if work is not None:  # the statistics: once per row, by the first column task
                 with T.serial(0, tirx.Select(task == 0, rows, tirx.const(0, I64))) as j:
-                    st = States(rest, geo, 2 * plan.lanes)
-                    for lane in range(plan.lanes):
-                        st.init(lane)
-                    fold(em_rest, st, row0 + j, k0, length, plan.lanes, plan.tile)
-                    copy_state(st, work, 0, (row0 + j) * pieces + piece, to_work=True)
+                    _statistics(em_rest, plan, fold, work, row0 + j, k0, length,
+                                (row0 + j) * pieces + piece)
             with T.serial(0, rows) as j:
                 for p, a in zip(found, packed_a, strict=True):
                     _pack_a(em, p, a, j, row0 + j, k0, length)
@@ -100,6 +97,16 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
         st = _merged(em_rest, rest, geo, work, r, pieces)
         _results(em, geo, found, sums, st, r, results)
         em.elementwise(r, elementwise)
+
+
+def _statistics(em: Emitter, plan: Plan, fold: Callable, work: dict, r, k0, length, slot):
+    """Fold elements [k0, k0 + length) of row r into the rest of the cascade's state (its
+    own lanes and tiles), stored in row ``slot`` of the workspace."""
+    st = States(em.rule, em.geo, 2 * plan.lanes)
+    for lane in range(plan.lanes):
+        st.init(lane)
+    fold(em, st, r, k0, length, plan.lanes, plan.tile)
+    copy_state(st, work, 0, slot, to_work=True)
 
 
 def _pack_a(em: Emitter, p: Product, a, j, r, k0, length):
