@@ -27,7 +27,6 @@ os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")  # see bench.py: idle T
 import redfuser  # noqa: E402
 
 from ..lowering import Plan  # noqa: E402
-from ..runtime import build as build_kernel  # noqa: E402
 from ..tvm_adapter import (  # noqa: E402
     IRBuilder,
     T,
@@ -99,9 +98,9 @@ def hot_loop(asm: str) -> list[str]:
     return max(loops.values(), key=lambda b: sum(FMA in i for i in b), default=[])
 
 
-def describe_loop(kernel, inputs: dict) -> str:
-    built = build_kernel(kernel.rule, kernel.geometry(**inputs), kernel.plan)
-    body = hot_loop(built.executable.mod.inspect_source("asm"))
+def describe_loop(kernel) -> str:
+    """The hot loop of the kernel's most recent build: instructions per FMA, by kind."""
+    body = hot_loop(kernel.assembly("asm"))
     fmas = sum(FMA in i for i in body)
     if not fmas:
         return "no FMA loop found"
@@ -143,7 +142,7 @@ def run(rows: int, n: int, d: int, rounds: int, blocks: list[str]) -> None:
     fns = {}
     for name, how in plans(blocks).items():
         kernel = build("rmsnorm_gemm", name, how, inputs)
-        print(f"{name}: {kernel.plan}\n    {describe_loop(kernel, inputs)}", flush=True)
+        print(f"{name}: {kernel.plan}\n    {describe_loop(kernel)}", flush=True)
         out = {k: np.empty_like(v) for k, v in kernel(**inputs).items()}
         fns[name] = lambda kernel=kernel, out=out: kernel(**inputs, out=out)
     tx, tw = torch.from_numpy(inputs["x"]), torch.from_numpy(inputs["w"])

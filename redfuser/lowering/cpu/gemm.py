@@ -40,10 +40,9 @@ from ..invariants import split_invariant
 from ..nests import copy_state, workspace
 from ..plan import Plan
 from ..products import Product, products, without
-from ..registers import States
 from ..signature import F32, I64
 from ..texpr import const
-from .plan import LANES
+from .plan import LANES, REGISTER_SCOPE
 
 
 def _round_up(value: int, step: int) -> int:
@@ -69,7 +68,8 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
     found = products(rule, geo)
     rest = without(rule, found)
     values = {**rowvals, **results}
-    em, em_rest = (Emitter(r, geo, plan, bufs, values, simd=LANES) for r in (rule, rest))
+    em, em_rest = (Emitter(r, geo, plan, bufs, values, simd=LANES, scratch=REGISTER_SCOPE)
+                   for r in (rule, rest))
     sums = {p.state: T.alloc_buffer((geo.r, _round_up(geo.d, plan.nr)), F32) for p in found}
     pieces = -(-geo.n // plan.kc)
     work = workspace(rest, geo, geo.r * pieces) if rest.components else None
@@ -94,7 +94,7 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
                 blocks = _Blocks(plan, geo, row0, rows, k0, length, piece == 0)
                 blocks.product(bufs[p.weight], a, packed_b, sums[p.state], task)
     with T.parallel(0, geo.r) as r:
-        st = _merged(em_rest, rest, geo, work, r, pieces)
+        st = _merged(em_rest, work, r, pieces)
         _results(em, geo, found, sums, st, r, results)
         em.elementwise(r, elementwise)
 
@@ -102,7 +102,7 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
 def _statistics(em: Emitter, plan: Plan, fold: Callable, work: dict, r, k0, length, slot):
     """Fold elements [k0, k0 + length) of row r into the rest of the cascade's state (its
     own lanes and tiles), stored in row ``slot`` of the workspace."""
-    st = States(em.rule, em.geo, 2 * plan.lanes)
+    st = em.states(2 * plan.lanes)
     for lane in range(plan.lanes):
         st.init(lane)
     fold(em, st, r, k0, length, plan.lanes, plan.tile)
@@ -188,12 +188,12 @@ class _Blocks:
                                                 [self.row0 + local, col0 + c]))
 
 
-def _merged(em: Emitter, rest: FusionRule, geo: Geometry, work, r, pieces: int):
+def _merged(em: Emitter, work, r, pieces: int):
     """Row r's statistics: its pieces merged in order, settled at the true anchors (None
     when the cascade is only matrix products)."""
     if work is None:
         return None
-    st = States(rest, geo, 2)
+    st = em.states(2)
     copy_state(st, work, 0, r * pieces, to_work=False)
     with T.serial(1, pieces) as piece:
         copy_state(st, work, 1, r * pieces + piece, to_work=False)

@@ -218,12 +218,13 @@ def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: b
     4
     """
     rest = without(rule, products(rule, geo))
-    lanes = vector_lanes(rest, geo) if rest.components else 1
+    piece = dataclasses.replace(geo, n=blocks["kc"])  # the rest folds pieces of kc elements
+    lanes = vector_lanes(rest, piece) if rest.components else 1
     why = "requested" if variant else f"{geo.r} rows hold {len(products(rule, geo))} matrix " \
                                       "product(s)"
     ranges = f" x {blocks['nt']} column ranges" if blocks.get("nt", 1) > 1 else ""
     why += f"; rows in blocks of {blocks['mc']}{ranges} in parallel, a blocked GEMM " + \
         ("per product pass" if variant == "unfused" else "with the other reductions folded "
          "in the same pass over each row")
-    return Plan(variant or "rolling", lanes, 1, fast_math, why, tile=tile_for(rest, lanes),
-                **blocks)
+    return Plan(variant or "rolling", lanes, 1, fast_math, why,
+                tile=tile_for(rest, lanes, blocks["kc"]), **blocks)
