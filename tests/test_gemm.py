@@ -190,7 +190,7 @@ def test_the_schedule_space_searches_the_blocking_and_every_value_builds():
     round trip and a plan without one shows no GEMM fields."""
     spec, magnitude = CASCADES[0]
     rule = rule_for(spec)
-    inputs = make_inputs(spec, np.random.default_rng(5), (13,), 300, 40, special=False)
+    inputs = make_inputs(spec, np.random.default_rng(5), (13,), 300, 70, special=False)
     geo = redfuser.compile(rule).geometry(**inputs)
     s = space(rule, geo)
     names = [p.name for p in s.variants["rolling"]]
@@ -209,5 +209,8 @@ def test_the_schedule_space_searches_the_blocking_and_every_value_builds():
               str(plan))
     assert plan_from_params(plan_params(chosen[0])) == dataclasses.replace(chosen[0],
                                                                            reason="")
+    assert all(s.why_not(p) is None for p in chosen)  # a tuned record of it would be used
+    spilling = dataclasses.replace(chosen[0], mr=8, nr=64)  # 32 sums + 4 vectors > 32 zmm
+    assert "mr=8" not in (s.why_not(spilling) or "") and "registers" in s.why_not(spilling)
     assert "mr=" not in describe(choose(rule_for("softmax"),
                                         shape_geometry(rule_for("softmax"), {"x": (4, 64)})))

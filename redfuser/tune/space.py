@@ -26,8 +26,8 @@ mr, nr, kc  rolling, unfused     the rule holds matrix products (``lowering.prod
                                  worth a GEMM (``cpu.plan.gemm_blocks``): micro-kernel
                                  rows 4, 6, 8 and columns 16, 32, 64 within the vector
                                  registers, K blocks 128, 256, 512 (at most N); nc, mc
-                                 and nt as the policy has them.  Lanes and tiles then apply to
-                                 the rest of the cascade (RMSNorm's sum(x**2))
+                                 and nt, and the lanes and tile of the rest of the
+                                 cascade (RMSNorm's sum(x**2)), as the policy has them
 ==========  ===================  =====================================================
 
 CUDA: variant; ``threads`` per block (powers of two from 32 up to what the shared-memory
@@ -46,9 +46,8 @@ import numpy as np
 from algebra.components import LinearComponent
 
 from ..lowering import VARIANTS, Geometry, Plan, choose
-from ..lowering.cpu.plan import LANES, TILE_ELEMENTS, gemm_blocks, vector_lanes
+from ..lowering.cpu.plan import LANES, TILE_ELEMENTS, gemm_blocks, gemm_plan, vector_lanes
 from ..lowering.cuda.plan import threads_for
-from ..lowering.products import products, without
 from ..tvm_adapter import default_threads
 from .work import rule_work
 
@@ -131,7 +130,8 @@ class Space:
             return f"fast_math={plan.fast_math}, but this space has fast_math={self.fast_math}"
         if not _valid(plan, self.geo):
             return ("its parameters together break a constraint of the space (a tile must "
-                    "fit the stream and the registers, a split piece must hold two tiles)")
+                    "fit the stream and the registers, a split piece must hold two tiles, a "
+                    "GEMM micro-kernel must fit the vector registers)")
         return None
 
     def __str__(self) -> str:
@@ -171,12 +171,12 @@ def space(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
 
 
 def _cpu_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param, ...] | None:
-    gemm = _gemm(rule, geo, variant, threads)
-    if gemm:  # the lanes and tiles are those of the rest of the cascade
-        rule = without(rule, products(rule, geo))
+    blocks = gemm_blocks(rule, geo, threads) if variant != "split" else None
+    if blocks is not None:
+        return _gemm(rule, geo, variant, blocks)
     lanes = _lanes(rule, geo, variant)
-    block = _row_block(geo, lanes, threads) if variant != "split" and not gemm else None
-    params = [lanes, _tile(rule, lanes, block is not None), block, *gemm]
+    block = _row_block(geo, lanes, threads) if variant != "split" else None
+    params = [lanes, _tile(rule, lanes, block is not None), block]
     if variant == "split":
         splits = _splits(rule, geo, threads)
         if splits is None:
@@ -185,20 +185,22 @@ def _cpu_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param,
     return tuple(p for p in params if p is not None)
 
 
-def _gemm(rule, geo: Geometry, variant: str, threads: int) -> list[Param]:
-    """The GEMM micro-kernel's parameters when the policy would block the rule's products."""
-    blocks = gemm_blocks(rule, geo, threads) if variant != "split" else None
-    if blocks is None:
-        return []
+def _gemm(rule, geo: Geometry, variant: str, blocks: dict) -> tuple[Param, ...]:
+    """The GEMM micro-kernel's parameters where the policy blocks the rule's products; the
+    rest of the cascade (a pass over the rows beside the GEMM) keeps the policy's lanes and
+    tile: it costs little next to the product."""
+    plan = gemm_plan(rule, geo, variant, True, blocks)
     width = -(-geo.d // LANES) * LANES
     why = "the rule's matrix products run as a blocked GEMM"
-    return [Param("mr", MR_VALUES, why + ": rows per micro-kernel"),
-            Param("nr", tuple(v for v in NR_VALUES if v <= width) or (LANES,),
+    return (Param("lanes", (plan.lanes,), "the rest of the cascade's (the policy's)"),
+            Param("tile", (plan.tile,), "the rest of the cascade's (the policy's)"),
+            Param("mr", MR_VALUES, why + ": rows per micro-kernel"),
+            Param("nr", tuple(sorted({v for v in NR_VALUES if v <= width} | {blocks["nr"]})),
                   "columns per micro-kernel and packed panel"),
             Param("kc", tuple(sorted({min(v, geo.n) for v in KC_VALUES})), "K per block"),
             Param("nc", (blocks["nc"],), "columns per packed block (the policy's)"),
             Param("mc", (blocks["mc"],), "rows per row block (the policy's)"),
-            Param("nt", (blocks["nt"],), "column ranges per row block (the policy's)")]
+            Param("nt", (blocks["nt"],), "column ranges per row block (the policy's)"))
 
 
 def _lanes(rule, geo: Geometry, variant: str) -> Param:
