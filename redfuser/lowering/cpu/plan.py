@@ -54,12 +54,13 @@ GEMM: dict[str, tuple[int, str]] = {
               "broadcast fit the 32 vector registers, and 24 independent multiply-add chains "
               "cover the FMA latency (2 pipes x 4 cycles = 8 in flight)"),
     "nr": (64, "columns per micro-kernel and per packed panel of W: 4 vectors of 16 lanes"),
-    "kc": (256, "K per block: a packed panel (KC x NR x 4 B = 64 KB) stays in L2 while every "
+    "kc": (512, "K per block: a packed panel (KC x NR x 4 B = 128 KB) stays in L2 while every "
                 "micro-kernel of the row block reads it; the sums are loaded and stored once "
-                "per KC multiply-adds"),
-    "nc": (512, "columns per packed block of W: KC x NC x 4 B = 512 KB, half of the L2"),
+                "per KC multiply-adds, and the rest of the cascade folds pieces of KC elements "
+                "(one merge per piece: at 512 x 2048 -> 64, KC 256 cost 1.4x KC 512)"),
+    "nc": (256, "columns per packed block of W: KC x NC x 4 B = 512 KB, half of the L2"),
     "mc": (256, "most rows per row block (one parallel task): its packed A (MC x KC x 4 B = "
-                "256 KB) stays in L2 while the panels pass"),
+                "512 KB) stays in L2 with the panel while the panels pass"),
 }
 
 
@@ -169,9 +170,9 @@ def gemm_blocks(rule: FusionRule, geo: Geometry, threads: int) -> dict[str, int]
     >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("rmsnorm_gemm")
     >>> gemm_blocks(rule, shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)}), 2)
-    {'mr': 6, 'nr': 64, 'kc': 256, 'nc': 512, 'mc': 258, 'nt': 2}
+    {'mr': 6, 'nr': 64, 'kc': 512, 'nc': 256, 'mc': 258, 'nt': 2}
     >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4096, 512), "w": (512, 100)}), 2)
-    {'mr': 6, 'nr': 64, 'kc': 256, 'nc': 128, 'mc': 258, 'nt': 1}
+    {'mr': 6, 'nr': 64, 'kc': 512, 'nc': 128, 'mc': 258, 'nt': 1}
     >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4, 4096), "w": (4096, 100)}), 2) is None
     True
     """
