@@ -90,14 +90,12 @@ def test_the_plan_picks_split_for_few_long_rows():
     ("attention", dict(q=rng.normal(size=(2, 21, 128)).astype(np.float32),  # 42 rows: 6 blocks
                        k=rng.normal(size=(2, 1, 77, 128)).astype(np.float32),
                        v=rng.normal(size=(2, 1, 77, 128)).astype(np.float32), scale=0.1)),
-    ("rmsnorm_gemm", dict(x=rng.normal(size=(19, 70)).astype(np.float32),  # 19 = 2 * 8 + 3
-                          w=rng.normal(size=(70, 128)).astype(np.float32), eps=1e-5)),
 ])
 @pytest.mark.parametrize("variant", [None, "unfused"])
 def test_rows_sharing_a_stream_fold_in_blocks(name, inputs, variant):
-    """Rows sharing K/V (or a GEMM's weights) larger than L1 fold together; a last partial
-    block repeats its last row; tiles of 16 plus a tail.  The unfused baseline gets the same
-    blocks."""
+    """Rows sharing K/V larger than L1 fold together; a last partial block repeats its last
+    row; tiles of 16 plus a tail.  The unfused baseline gets the same blocks.  (Rows sharing
+    a GEMM's weights run a GEMM micro-kernel instead: tests/test_gemm.py.)"""
     kernel = redfuser.compile(name, threads=2, variant=variant)
     assert_matches(kernel(**inputs), redfuser.reference(name, inputs))
     assert kernel.plan.row_block > 1 and "blocks of" in str(kernel.plan)

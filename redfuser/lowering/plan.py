@@ -20,6 +20,8 @@ class Plan:
     --------
     >>> print(Plan("split", lanes=16, splits=4, reason="requested"))
     split (16 lanes, 4 splits): requested
+    >>> print(Plan("rolling", 16, mr=6, nr=64, kc=256, nc=512, mc=126, nt=1, reason="why"))
+    rolling (16 lanes, GEMM micro-kernel 6 x 64, KC 256, NC 512, MC 126, NT 1): why
     """
 
     variant: str
@@ -30,10 +32,21 @@ class Plan:
     threads: int = 1  # CUDA: threads per block, combined by a shared-memory merge tree
     tile: int = 1  # CPU lanes: elements per lane folded at fixed anchors before a merge
     row_block: int = 1  # CPU, one lane: rows folded together, sharing each streamed load
+    # CPU matrix products (``cpu/gemm.py``; 0: none): a micro-kernel of mr rows x nr columns,
+    # K in blocks of kc, columns in packed blocks of nc; a parallel task per block of mc rows
+    # and range of 1/nt of the columns
+    mr: int = 0
+    nr: int = 0
+    kc: int = 0
+    nc: int = 0
+    mc: int = 0
+    nt: int = 0
 
     def __str__(self) -> str:
         extra = f", {self.splits} splits" if self.variant == "split" else ""
         extra += f", blocks of {self.row_block} rows" if self.row_block > 1 else ""
+        extra += (f", GEMM micro-kernel {self.mr} x {self.nr}, KC {self.kc}, NC {self.nc}, "
+                  f"MC {self.mc}, NT {self.nt}") if self.mr else ""
         return f"{self.variant} ({self.lanes} lanes{extra}): {self.reason}"
 
 

@@ -8,14 +8,16 @@ pass that writes per-element outputs) the predicted time is the larger of
 - **memory**: the bytes it streams over the bandwidth measured at that working set's
   size.  Rows sharing an input (the queries of one head reading its K and V) re-read it
   from cache, at the bandwidth of the slice they share; a block of ``row_block`` rows
-  shares each load;
+  shares each load (a GEMM: W is packed once per row block of ``mc`` rows);
 - **compute**: elements per thread times the per-element cost.  Arithmetic and calls
   cost the measured vector figures when they run in lanes (scaled by how much of a
   16-lane register the lanes fill), over the feature axis (D-wide work), or over the
   elements of a one-lane tile (attention's ``exp(s - m)`` for 16 keys); scalar figures
   otherwise.  Re-anchoring is paid per element by a plain fold and once per tile by a
   tile; a plain fold also waits on its state's dependency chain (the re-anchoring of
-  one step needs the previous one), shared by the independent lanes;
+  one step needs the previous one), shared by the independent lanes.  A GEMM
+  micro-kernel shares each load of the weights by its ``mr`` rows and loads and stores
+  its sums once per ``kc`` elements;
 
 plus the launch, each row's lane merges and finalize, and the split variant's merges
 of its pieces.  Rows (or row pieces) are spread over the threads in waves; fewer items
@@ -127,8 +129,8 @@ def _element_cost(w: RuleWork, plan: Plan, lanes: int, tile: int, d: int,
     work also loads its stream slots (shared by a row block) and, outside a tile, loads
     and stores its state slots and sums each dot product's partial sums."""
     over_tile = w.fold.vops > 0  # one lane, feature axis: a tile's calls run in vectors
-    block = plan.row_block
-    wide = Work(vops=w.wide_loads / block + 2.0 * w.wide_states / tile)
+    block, kept = (plan.mr, plan.kc) if plan.mr else (plan.row_block, tile)
+    wide = Work(vops=w.wide_loads / block + 2.0 * w.wide_states / kept)
     if tile > 1:  # re-anchoring and a merge once per tile
         per_tile = (w.reanchor + w.merge) * (1.0 / tile)
         through = _cost(w.fold + per_tile + wide, lanes, d, m, over_tile, tile)
@@ -177,7 +179,7 @@ def _stream_seconds(geo: Geometry, names, plan: Plan, m: Machine, busy: int) -> 
     share = busy / m.threads
     unique = _unique_bytes(geo, names)
     seconds = unique / (m.bandwidth_at(unique) * share)
-    block = plan.row_block
+    block = plan.mc or plan.row_block
     for k in names:
         g = geo.inputs.get(k)
         if g is not None and g.count < geo.r:

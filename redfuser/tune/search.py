@@ -35,7 +35,7 @@ from ..runtime import time_plan
 from .cost import predict
 from .db import TuningDB, entry_key, record_problem
 from .machine import Machine, machine, machine_id
-from .space import plan_from_params, plan_params, same_plan, space
+from .space import GEMM_FIELDS, plan_from_params, plan_params, same_plan, space
 from .store import DatabaseError, user_level
 
 Measure = Callable[[Geometry, Plan, int], float]  # (geometry, plan, repeat) -> milliseconds
@@ -96,7 +96,8 @@ def describe(plan: Plan) -> str:
     params = plan_params(plan)
     hidden = {"variant"} | ({"lanes", "tile"} if plan.threads > 1 else {"threads"})
     shown = [f"{k}={v}" for k, v in params.items() if k not in hidden and not (
-        (k == "splits" and plan.variant != "split") or (k == "row_block" and v == 1))]
+        (k == "splits" and plan.variant != "split") or (k == "row_block" and v == 1) or
+        (k in GEMM_FIELDS and not plan.mr))]
     return " ".join([plan.variant, *shown])
 
 

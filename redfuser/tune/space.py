@@ -22,6 +22,12 @@ row_block   rolling, unfused     rows folded together sharing each load: one lan
                                  stream broadcast across rows with a feature axis that
                                  fills whole vectors (``Plan.row_block``, when the
                                  lowering has it): 1, 2, 4, 8 with every thread a block
+mr, nr, kc  rolling, unfused     the rule holds matrix products (``lowering.products``)
+                                 worth a GEMM (``cpu.plan.gemm_blocks``): micro-kernel
+                                 rows 4, 6, 8 and columns 16, 32, 64 within the vector
+                                 registers, K blocks 128, 256, 512 (at most N); nc, mc
+                                 and nt, and the lanes and tile of the rest of the
+                                 cascade (RMSNorm's sum(x**2)), as the policy has them
 ==========  ===================  =====================================================
 
 CUDA: variant; ``threads`` per block (powers of two from 32 up to what the shared-memory
@@ -40,17 +46,20 @@ import numpy as np
 from algebra.components import LinearComponent
 
 from ..lowering import VARIANTS, Geometry, Plan, choose
-from ..lowering.cpu.plan import LANES, TILE_ELEMENTS, vector_lanes
+from ..lowering.cpu.plan import LANES, TILE_ELEMENTS, gemm_blocks, gemm_plan, vector_lanes
 from ..lowering.cuda.plan import threads_for
 from ..tvm_adapter import default_threads
 from .work import rule_work
 
-TUNED = ("variant", "lanes", "tile", "splits", "threads", "row_block")  # Plan fields searched
+GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc", "nt")  # 0: no GEMM micro-kernel
+TUNED = ("variant", "lanes", "tile", "splits", "threads", "row_block", *GEMM_FIELDS)  # searched
 LANE_VALUES = (1, 16, 32, 64)
 TILES_LANES = (8, 32, 128)  # lanes > 1: elements per lane per tile
 TILES_ONE = (1, 4, 8, 16, 32)  # one lane: elements per tile (attention's keys)
 SPLIT_VALUES = (2, 4, 8, 16, 32, 64)
 ROW_BLOCKS = (1, 2, 4, 8)
+MR_VALUES, NR_VALUES, KC_VALUES = (4, 6, 8), (16, 32, 64), (128, 256, 512)
+VECTOR_REGISTERS = 32  # zmm: a micro-kernel's sums, panel vectors and broadcast must fit
 CUDA_THREADS = (32, 64, 128, 256, 512, 1024)
 MIN_PIECE = 32  # elements of a split piece: shorter ones cost more to merge than they save
 MAX_TILE_ELEMENTS = TILE_ELEMENTS  # lanes x tile: beyond it a tile's passes leave L1
@@ -121,7 +130,8 @@ class Space:
             return f"fast_math={plan.fast_math}, but this space has fast_math={self.fast_math}"
         if not _valid(plan, self.geo):
             return ("its parameters together break a constraint of the space (a tile must "
-                    "fit the stream and the registers, a split piece must hold two tiles)")
+                    "fit the stream and the registers, a split piece must hold two tiles, a "
+                    "GEMM micro-kernel must fit the vector registers)")
         return None
 
     def __str__(self) -> str:
@@ -161,6 +171,9 @@ def space(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
 
 
 def _cpu_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param, ...] | None:
+    blocks = gemm_blocks(rule, geo, threads) if variant != "split" else None
+    if blocks is not None:
+        return _gemm(rule, geo, variant, blocks)
     lanes = _lanes(rule, geo, variant)
     block = _row_block(geo, lanes, threads) if variant != "split" else None
     params = [lanes, _tile(rule, lanes, block is not None), block]
@@ -170,6 +183,24 @@ def _cpu_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param,
             return None
         params.append(splits)
     return tuple(p for p in params if p is not None)
+
+
+def _gemm(rule, geo: Geometry, variant: str, blocks: dict) -> tuple[Param, ...]:
+    """The GEMM micro-kernel's parameters where the policy blocks the rule's products; the
+    rest of the cascade (a pass over the rows beside the GEMM) keeps the policy's lanes and
+    tile: it costs little next to the product."""
+    plan = gemm_plan(rule, geo, variant, True, blocks)
+    width = -(-geo.d // LANES) * LANES
+    why = "the rule's matrix products run as a blocked GEMM"
+    return (Param("lanes", (plan.lanes,), "the rest of the cascade's (the policy's)"),
+            Param("tile", (plan.tile,), "the rest of the cascade's (the policy's)"),
+            Param("mr", MR_VALUES, why + ": rows per micro-kernel"),
+            Param("nr", tuple(sorted({v for v in NR_VALUES if v <= width} | {blocks["nr"]})),
+                  "columns per micro-kernel and packed panel"),
+            Param("kc", tuple(sorted({min(v, geo.n) for v in KC_VALUES})), "K per block"),
+            Param("nc", (blocks["nc"],), "columns per packed block (the policy's)"),
+            Param("mc", (blocks["mc"],), "rows per row block (the policy's)"),
+            Param("nt", (blocks["nt"],), "column ranges per row block (the policy's)"))
 
 
 def _lanes(rule, geo: Geometry, variant: str) -> Param:
@@ -234,13 +265,17 @@ def _cuda_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param
 
 def _valid(plan: Plan, geo: Geometry) -> bool:
     """Constraints between parameters: a tile fits the stream and the registers, a split
-    piece holds two tiles."""
+    piece holds two tiles; a GEMM micro-kernel's sums, panel vectors and broadcast fit the
+    vector registers and a packed block holds whole panels."""
+    if plan.mr and (plan.nc % plan.nr or plan.mr * plan.nr // LANES + plan.nr // LANES + 1 >
+                    VECTOR_REGISTERS):
+        return False
     step = plan.lanes * plan.tile
     if step > MAX_TILE_ELEMENTS or step > geo.n:
         return step == 1
     if plan.variant == "split" and geo.n // plan.splits < 2 * step:
         return False
-    return plan.row_block == 1 or plan.tile > 1
+    return plan.row_block == 1 or plan.tile > 1 or plan.mr > 0
 
 
 PARAMS = {"cpu": _cpu_params, "cuda": _cuda_params}  # target -> its parameters
@@ -283,8 +318,9 @@ def plan_from_params(params: dict, fast_math: bool = True, reason: str = "") -> 
     if params.get("variant") not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {params.get('variant')!r}")
     for k, v in params.items():
+        least = 0 if k in GEMM_FIELDS else 1  # 0: no GEMM micro-kernel
         if k != "variant" and (not isinstance(v, int | np.integer) or isinstance(v, bool)
-                               or v < 1):
+                               or v < least):
             raise ValueError(f"plan parameter {k} must be a positive integer, not {v!r}")
     return Plan(**{k: (v if k == "variant" else int(v)) for k, v in params.items()},
                 fast_math=fast_math, reason=reason)

@@ -5,7 +5,9 @@ once (the unfused baseline reads it once per reduction); rows are spread over th
 threads; when there are fewer rows than threads and the stream is long, the split
 variant (flash-decoding) cuts each row into S pieces whose partial states are
 combined with the derived merge.  Lanes vectorize the update when every state is a
-per-row scalar (no feature axis, no dot product, no top-k insertion).
+per-row scalar (no feature axis, no dot product, no top-k insertion).  A rule holding
+matrix products (``lowering.products``: RMSNorm + GEMM) runs them as a blocked GEMM with
+the blocking of ``GEMM`` (``gemm.py``), the rest of the cascade in lanes beside them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from algebra.rule import FusionRule
 from ...tvm_adapter import default_threads
 from ..geometry import Geometry, component_exprs
 from ..plan import Plan, check_variant
+from ..products import products, without
 
 LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per step
 # Lanes of a many-lane fold: four registers, so each state accumulates in four independent
@@ -43,6 +46,22 @@ KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. atten
 ROW_BLOCK, BLOCK_TILE = 8, 32
 BLOCK_MIN_ELEMENTS = 8192  # 32 KB of float32: a shared stream smaller than L1 is cheap to reread
 MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
+# The GEMM micro-kernel and its cache blocks (``gemm.py``): name -> (value, why).  The
+# machine: AMD EPYC Zen 5, two 512-bit FMA pipes (4-cycle latency), 32 zmm registers,
+# 48 KB L1d and 1 MB L2 per core.
+GEMM: dict[str, tuple[int, str]] = {
+    "mr": (6, "rows per micro-kernel: 6 x 4 = 24 accumulators + 4 panel vectors + 1 "
+              "broadcast fit the 32 vector registers, and 24 independent multiply-add chains "
+              "cover the FMA latency (2 pipes x 4 cycles = 8 in flight)"),
+    "nr": (64, "columns per micro-kernel and per packed panel of W: 4 vectors of 16 lanes"),
+    "kc": (512, "K per block: a packed panel (KC x NR x 4 B = 128 KB) stays in L2 while every "
+                "micro-kernel of the row block reads it; the sums are loaded and stored once "
+                "per KC multiply-adds, and the rest of the cascade folds pieces of KC elements "
+                "(one merge per piece: at 512 x 2048 -> 64, KC 256 cost 1.4x KC 512)"),
+    "nc": (256, "columns per packed block of W: KC x NC x 4 B = 512 KB, half of the L2"),
+    "mc": (256, "most rows per row block (one parallel task): its packed A (MC x KC x 4 B = "
+                "512 KB) stays in L2 with the panel while the panels pass"),
+}
 
 
 def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
@@ -97,6 +116,10 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     check_variant(variant)
     threads = threads or default_threads()
     lanes = vector_lanes(rule, geo)
+    blocks = gemm_blocks(rule, geo, threads) if variant != "split" else None
+    if blocks is not None and not (variant is None and geo.r < threads and
+                                   geo.n >= 2 * MIN_SPLIT_ELEMENTS):
+        return gemm_plan(rule, geo, variant, fast_math, blocks)
     if variant == "unfused":
         block = row_block_for(geo, lanes, threads)  # the same scheduling quality per pass
         tile = BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n) if lanes > 1 else 1
@@ -132,3 +155,77 @@ def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:
                  g.length * g.width >= BLOCK_MIN_ELEMENTS for g in geo.inputs.values())
     enough = geo.r >= ROW_BLOCK * threads
     return ROW_BLOCK if lanes == 1 and shared and enough and geo.d % LANES == 0 else 1
+
+
+def gemm_blocks(rule: FusionRule, geo: Geometry, threads: int) -> dict[str, int] | None:
+    """The GEMM blocking (``GEMM``, fitted to the shapes) when ``rule`` holds matrix products
+    worth a micro-kernel at ``geo``: at least MR rows (fewer is mostly padding) and a
+    shared stream of at least BLOCK_MIN_ELEMENTS (smaller, re-reading it is cheap).  The
+    ``threads`` tasks split the rows (each row block packs all of W) or the columns (each
+    column range re-reads the rows), whichever reads less (``_tasks``).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("rmsnorm_gemm")
+    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)}), 2)
+    {'mr': 6, 'nr': 64, 'kc': 512, 'nc': 256, 'mc': 258, 'nt': 2}
+    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4096, 512), "w": (512, 100)}), 2)
+    {'mr': 6, 'nr': 64, 'kc': 512, 'nc': 128, 'mc': 258, 'nt': 1}
+    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4, 4096), "w": (4096, 100)}), 2) is None
+    True
+    """
+    mr = GEMM["mr"][0]
+    if not products(rule, geo) or geo.r < mr or geo.n * geo.d < BLOCK_MIN_ELEMENTS:
+        return None
+    nr = min(GEMM["nr"][0], -(-geo.d // LANES) * LANES)
+    width = -(-geo.d // nr) * nr
+    row_blocks, nt = _tasks(geo, threads, mr, width // nr)
+    per_block = -(-geo.r // row_blocks)
+    return {"mr": mr, "nr": nr, "kc": min(GEMM["kc"][0], geo.n),
+            "nc": min(GEMM["nc"][0] // nr * nr, width), "mc": -(-per_block // mr) * mr,
+            "nt": nt}
+
+
+def _tasks(geo: Geometry, threads: int, mr: int, panels: int) -> tuple[int, int]:
+    """(row blocks, column ranges) for at least ``threads`` tasks, reading the least: each
+    row block packs all of W (N x D), each column range re-reads the rows (R x N).  Row
+    blocks hold at most GEMM mc rows (their packed A stays in L2)."""
+    least = -(-geo.r // GEMM["mc"][0])
+    best = None
+    for nt in range(1, min(threads, panels) + 1):
+        blocks = min(max(least, -(-threads // nt)), -(-geo.r // mr))
+        reads = blocks * geo.d + nt * geo.r  # x N elements
+        if best is None or reads < best[0]:
+            best = (reads, blocks, nt)
+    return best[1], best[2]
+
+
+def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: bool,
+               blocks: dict[str, int]) -> Plan:
+    """Rolling or unfused (``variant``; None: rolling) with the matrix products as a blocked
+    GEMM of ``blocks`` (mr, nr, kc, nc, mc); the rest of the cascade (RMSNorm's sum(x**2))
+    folds in its own lanes.
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("rmsnorm_gemm")
+    >>> geo = shape_geometry(rule, {"x": (7, 40), "w": (40, 20)})
+    >>> blocks = dict(mr=2, nr=16, kc=8, nc=16, mc=4)
+    >>> gemm_plan(rule, geo, "unfused", True, blocks).mc
+    4
+    """
+    rest = without(rule, products(rule, geo))
+    piece = dataclasses.replace(geo, n=blocks["kc"])  # the rest folds pieces of kc elements
+    lanes = vector_lanes(rest, piece) if rest.components else 1
+    why = "requested" if variant else f"{geo.r} rows hold {len(products(rule, geo))} matrix " \
+                                      "product(s)"
+    ranges = f" x {blocks['nt']} column ranges" if blocks.get("nt", 1) > 1 else ""
+    why += f"; rows in blocks of {blocks['mc']}{ranges} in parallel, a blocked GEMM " + \
+        ("per product pass" if variant == "unfused" else "with the other reductions folded "
+         "in the same pass over each row")
+    return Plan(variant or "rolling", lanes, 1, fast_math, why,
+                tile=tile_for(rest, lanes, blocks["kc"]), **blocks)

@@ -5,6 +5,9 @@
   row the pieces are merged (flash-decoding).
 - unfused: one rolling loop nest per reduction (each reading the final values of
   the earlier ones), the baseline that shows what fusion buys.
+
+A rolling nest (fused, or one unfused stage) whose rule holds matrix products runs as a
+blocked GEMM (``gemm.py``) when its plan says so (``plan.mr``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from ..emitter import Emitter
 from ..geometry import Geometry
 from ..nests import copy_state, epilogue_values, stages, store_results, workspace
 from ..plan import Plan
+from ..products import products
 from ..registers import Const0, States
 from ..signature import I64
-from . import tiles
+from . import gemm, tiles
 from .plan import LANES, REGISTER_SCOPE, lane_aligned, stash_applies, vector_lanes
 
 
@@ -63,6 +67,8 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
 
 
 def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
+    if plan.mr and products(rule, geo):
+        return gemm.rolling(rule, geo, plan, bufs, results, elementwise, rowvals or {}, _fold)
     em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
     if plan.row_block > 1:
         return _rolling_blocks(em, geo, plan, results, elementwise)
