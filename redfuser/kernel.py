@@ -25,6 +25,7 @@ import numpy as np
 
 from algebra import FusionRule, derive
 from algebra.layout import resolve
+from algebra.spec import LENGTH
 
 from .call import (
     CallPlan,
@@ -113,8 +114,8 @@ class Kernel:
     # Step 1. Check the inputs ---------------------------------------------------------
     def _layout(self, inputs: dict):
         for name, value in inputs.items():
-            if isinstance(value, Number) or not hasattr(value, "dtype"):
-                continue
+            if name == LENGTH or isinstance(value, Number) or not hasattr(value, "dtype"):
+                continue  # N is a count, checked as one by the layout
             dtype = np.dtype(str(value.dtype).replace("torch.", ""))
             if dtype != np.float32:
                 raise TypeError(f"input '{name}' has dtype {dtype}; this kernel computes in "

@@ -1,0 +1,276 @@
+"""Bounds on the work ``derive`` does, so that any string is answered quickly.
+
+Each limit is one entry of ``LIMITS``: a name, a value and why it is what it is.  A spec over
+a limit is refused with a ``SpecError`` (where the spec says too much: its line and column)
+or a ``NotFusable`` (a reduction whose derivation ran out of time), and the message names
+the limit.  The limits sit well above anything the library, the Relax and TensorIR lifts or
+the tests write (the largest of those: about 700 characters, 160 tokens, nesting 12).
+
+The checks run in the order the work is done: the text (characters, tokens, literals) before
+Python's parser sees it, the syntax tree's nesting before the lifter recurses over it, the
+size, nesting, constants and powers of each lifted expression as it is built (before sympy
+evaluates a power exactly or a later stage expands it), the number of reductions, and a
+time budget around the whole derivation as the last resort.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import math
+import signal
+import threading
+import tokenize
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .errors import NotFusable, SpecError
+from .separate import MAX_RANK
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One bound: its name (as users see it in messages), value and reason."""
+
+    name: str
+    value: int | float
+    why: str
+
+    def refusal(self, what: str) -> str:
+        """``what`` exceeded this limit, as one message naming it."""
+        return f"{what} (limit {self.name} = {self.value}: {self.why})"
+
+
+MAX_SPEC_CHARS = Limit(
+    "MAX_SPEC_CHARS", 100_000, "every later check reads the whole text once; the longest "
+    "spec redfuser writes itself is under 1,000 characters")
+MAX_TOKENS = Limit(
+    "MAX_TOKENS", 10_000, "Python's parser recurses once per operator of a chain such as a "
+    "long sum and fails with a RecursionError somewhere between 1,000 and 3,000 of them")
+MAX_DEPTH = Limit(
+    "MAX_DEPTH", 64, "the lifter and sympy recurse once per level of an expression (lets "
+    "substituted), a few Python frames each, within Python's recursion limit of 1,000")
+MAX_SIZE = Limit(
+    "MAX_SIZE", 20_000, "nodes of one lifted expression with its lets substituted: a let "
+    "read twice doubles it, and every stage walks the whole tree")
+MAX_REDUCTIONS = Limit(
+    "MAX_REDUCTIONS", 64, "each reduction adds its own state, update, merge and proofs "
+    "(tens of milliseconds of sympy each) and registers to every row's kernel state")
+MAX_DEGREE = Limit(
+    "MAX_DEGREE", MAX_RANK - 1, "a power k of an expression that reads an earlier result "
+    f"needs k + 1 state sums to re-anchor (at most MAX_RANK = {MAX_RANK}), and sympy would "
+    "expand it into k + 1 or more terms before that is known")
+MAX_CONSTANT_BITS = Limit(
+    "MAX_CONSTANT_BITS", 1_100, "sympy keeps constants exact; float64 ends at 2**1024, and "
+    "exact integers far beyond it take unbounded time to compute and cannot be printed")
+DERIVE_BUDGET_S = Limit(
+    "DERIVE_BUDGET_S", 60.0, "seconds of CPU time for one derivation: the library derives "
+    "in under 2 s each, and a cascade that needs more is not worth fusing")
+
+LIMITS = {lim.name: lim for lim in (MAX_SPEC_CHARS, MAX_TOKENS, MAX_DEPTH, MAX_SIZE,
+                                    MAX_REDUCTIONS, MAX_DEGREE, MAX_CONSTANT_BITS,
+                                    DERIVE_BUDGET_S)}
+# A decimal literal this long has more than MAX_CONSTANT_BITS bits (checked on the text, since
+# Python's parser rejects an integer literal of over 4,300 digits with a message about sys).
+_LITERAL_DIGITS = math.ceil(MAX_CONSTANT_BITS.value * math.log10(2)) + 1
+
+
+_LAYOUT_TOKENS = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT,
+                  tokenize.ENDMARKER)
+
+
+def _position(text: str, index: int) -> tuple[int, int]:
+    line = text.count("\n", 0, index) + 1
+    return line, index - (text.rfind("\n", 0, index) + 1) + 1
+
+
+# Step 1. The text, before Python's parser ---------------------------------------------------
+def check_text(text: str) -> tuple[int, int]:
+    """Refuse a text over the size limits; return the (line, column) where its longest
+    statement starts (where to point if the parser still finds it too deep).
+
+    Examples
+    --------
+    >>> check_text("m = max(x[i])\\nd = sum(exp(x[i] - m))")
+    (2, 1)
+    >>> check_text("m = max(x[i] * " + "9" * 400 + ")")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    algebra.errors.SpecError: line 1, column 16: an integer literal of 400 digits (limit MAX_CON...
+    """
+    if len(text) > MAX_SPEC_CHARS.value:
+        raise SpecError(MAX_SPEC_CHARS.refusal(f"the spec has {len(text):,} characters"),
+                        *_position(text, MAX_SPEC_CHARS.value))
+    count, longest, start, size = 0, (0, (1, 1)), None, 0
+    with contextlib.suppress(tokenize.TokenError, SyntaxError):  # the parser names those
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            count += 1
+            where = tok.start[0], tok.start[1] + 1
+            if count > MAX_TOKENS.value:
+                raise SpecError(MAX_TOKENS.refusal(f"the spec has more than "
+                                                   f"{MAX_TOKENS.value} tokens"), *where)
+            if tok.type == tokenize.NUMBER and len(tok.string) > _LITERAL_DIGITS:
+                raise SpecError(MAX_CONSTANT_BITS.refusal(
+                    f"an integer literal of {len(tok.string)} digits"), *where)
+            if tok.type == tokenize.NEWLINE or tok.string == ";":
+                start = None
+            elif tok.type not in _LAYOUT_TOKENS:
+                if start is None:
+                    start, size = where, 0
+                size += 1
+                longest = max(longest, (size, start))
+    return longest[1]
+
+
+def check_tree(tree: ast.Module) -> None:
+    """Refuse an expression nested deeper than MAX_DEPTH, at the first node too deep (walked
+    with an explicit stack: the tree is not known to be shallow yet)."""
+    stack = [(child, 1) for stmt in tree.body for child in ast.iter_child_nodes(stmt)
+             if isinstance(child, ast.expr)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH.value:
+            raise SpecError(MAX_DEPTH.refusal(f"the expression nests more than "
+                                              f"{MAX_DEPTH.value} levels deep"),
+                            node.lineno, node.col_offset + 1)
+        stack += [(c, depth + 1) for c in ast.iter_child_nodes(node) if isinstance(c, ast.expr)]
+
+
+# Step 2. Each lifted expression, as it is built ----------------------------------------------
+def _bits(q: sp.Rational) -> int:
+    return max(abs(q.p).bit_length(), abs(q.q).bit_length())
+
+
+def power_problem(base: sp.Expr, exponent: sp.Expr) -> str | None:
+    """Why ``base ** exponent`` must not be built (sympy would evaluate it exactly), or None.
+
+    Examples
+    --------
+    >>> power_problem(sp.Integer(10), sp.Integer(10) ** 10)  # doctest: +ELLIPSIS
+    '10**10000000000 would be an exact constant of about 33219280949 bits (limit MAX_CONSTANT...'
+    >>> power_problem(sp.Integer(2), sp.Integer(-24)) is None
+    True
+    """
+    if not (base.is_Rational and exponent.is_Rational) or base == 0:
+        return None
+    bits = abs(float(exponent)) * math.log2(max(abs(base.p), abs(base.q)))
+    if bits <= MAX_CONSTANT_BITS.value:
+        return None
+    return MAX_CONSTANT_BITS.refusal(f"{base}**{exponent} would be an exact constant of about "
+                                     f"{bits:.0f} bits")
+
+
+def combined(children: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """(size, depth) of a node from its children's: a bound on the lifted tree's (sympy
+    folds many nodes; a let read twice counts twice, as every walk of the tree does)."""
+    parts = list(children)
+    return 1 + sum(p[0] for p in parts), 1 + max((p[1] for p in parts), default=0)
+
+
+def node_problem(cost: tuple[int, int], value: sp.Expr, results: set[str],
+                 streams: set[str]) -> str | None:
+    """Why a just-built node is refused, or None: its (size, depth) over MAX_SIZE or
+    MAX_DEPTH, or its value over the constant and power limits (``value_problem``)."""
+    size, depth = cost
+    if size > MAX_SIZE.value:
+        return MAX_SIZE.refusal(f"the expression has {size} nodes with its lets substituted")
+    if depth > MAX_DEPTH.value:
+        return MAX_DEPTH.refusal(f"the expression nests {depth} levels deep with its lets "
+                                 "substituted")
+    return value_problem(value, results, streams)
+
+
+def value_problem(value: sp.Expr, results: set[str], streams: set[str]) -> str | None:
+    """Why a just-built expression is refused, or None: a constant too large, or a power
+    beyond MAX_DEGREE of an expression that mixes the stream (names ``streams``) with
+    earlier results (names ``results``).  Only its top node and their arguments are looked
+    at: everything below was checked when it was built.
+
+    Examples
+    --------
+    >>> x, m = sp.symbols("x m", real=True)
+    >>> value_problem((x - m) ** 16, {"m"}, {"x"})  # doctest: +ELLIPSIS
+    'the power (-m + x)**16 mixes the stream with the earlier result(s) m (limit MAX_DEGREE = ...'
+    >>> value_problem((x - m) ** 15 + x ** 100 + (m + 1) ** 100, {"m"}, {"x"}) is None
+    True
+    """
+    for e in (value, *value.args):
+        if e.is_Rational and _bits(e) > MAX_CONSTANT_BITS.value:
+            return MAX_CONSTANT_BITS.refusal(f"an exact constant of {_bits(e)} bits")
+        if e.is_Pow and e.exp.is_number and not e.base.is_number and abs(e.exp) > \
+                MAX_DEGREE.value:
+            names = {s.name for s in e.base.free_symbols}
+            if names & streams and names & results:
+                return MAX_DEGREE.refusal(f"the power {e} mixes the stream with the earlier "
+                                          f"result(s) {', '.join(sorted(names & results))}")
+    return None
+
+
+# Step 3. The time budget: the last resort ----------------------------------------------------
+class OverBudget(BaseException):  # noqa: N818 - not an error users see: converted below
+    """The budget of ``seconds`` ran out.  A BaseException, so that no ``except Exception``
+    in sympy or in the engine swallows it; it never leaves ``derive`` (see ``charged_to``)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(seconds)
+        self.seconds = seconds
+
+
+_TIMER, _SIGNAL = (signal.ITIMER_PROF, signal.SIGPROF) if hasattr(signal, "setitimer") else \
+    (None, None)
+
+
+def _armable() -> bool:
+    """A CPU-time timer only exists on POSIX, only the main thread may install a signal
+    handler, and a timer someone else set (a profiler) is left alone."""
+    return (_TIMER is not None and threading.current_thread() is threading.main_thread()
+            and signal.getitimer(_TIMER) == (0.0, 0.0))
+
+
+@contextlib.contextmanager
+def time_budget(seconds: float) -> Iterator[None]:
+    """Run the block within ``seconds`` of CPU time: when they are spent, ``OverBudget`` is
+    raised wherever the block is (once).  Elsewhere than the main thread of a POSIX process
+    the block runs unbounded: the other limits still bound what a spec can ask for.  An
+    ``OverBudget`` no stage converted leaves as a ``SpecError``."""
+    if not _armable():
+        yield
+        return
+    state = {"on": True}
+
+    def expire(signum, frame):
+        if state["on"]:
+            raise OverBudget(seconds)
+
+    previous = signal.signal(_SIGNAL, expire)
+    signal.setitimer(_TIMER, seconds)
+    try:
+        yield
+    except OverBudget:
+        raise SpecError(budget_refusal(seconds), 1, 1) from None
+    finally:
+        state["on"] = False
+        signal.setitimer(_TIMER, 0)
+        signal.signal(_SIGNAL, signal.SIG_DFL if previous is None else previous)
+
+
+def budget_refusal(seconds: float) -> str:
+    return DERIVE_BUDGET_S.refusal(f"the derivation took more than {seconds:g} s of CPU time")
+
+
+@contextlib.contextmanager
+def budget_raises(error: Callable[[str], Exception]):
+    """In the block, the budget running out raises ``error(message)`` instead."""
+    try:
+        yield
+    except OverBudget as e:
+        raise error(budget_refusal(e.seconds)) from None
+
+
+def charged_to(reduction):
+    """The budget running out in the block is ``reduction``'s ``NotFusable``."""
+    return budget_raises(lambda why: NotFusable(reduction.name, reduction.body,
+                                                f"could not be derived in time: {why}"))
