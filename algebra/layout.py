@@ -10,9 +10,9 @@ Which inputs carry the feature axis: those written ``x[i, :]`` / ``g[:]`` or pas
 a stream that could be read both ways is an error that asks for ``x[i, :]``.
 
 Inputs that disagree are errors naming the input and the shape expected: a parameter whose
-rows and the streams' would broadcast to an outer product (T of shape (4, 1) next to x (4, N):
-a parameter may widen the streams' rows, as q (H, L, D) does K's (H, 1, N, D), or be widened
-by them, not both), and an ``N`` passed next to streams of another length.
+rows and the other inputs' would broadcast to an outer product (T of shape (4, 1) next to
+x (4, N): a parameter may widen the others' rows, as q (H, L, D) does K's (H, 1, N, D), or be
+widened by them, not both), and an ``N`` passed next to streams of another length.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
     except ValueError:
         desc = ", ".join(f"{k}: {v}" for k, v in row_shapes.items())
         raise ValueError(f"row axes do not broadcast ({desc})") from None
-    _check_parameter_rows(row_shapes, streams, params, arrays, vec)
+    _check_parameter_rows(row_shapes, params, arrays, vec)
     return Layout(tuple(rows), n, d, dtype, views, frozenset(vec))
 
 
@@ -116,27 +116,26 @@ def _length(given) -> int | None:
     return n
 
 
-def _check_parameter_rows(row_shapes: dict, streams: list, params: list, arrays: dict, vec):
-    """Refuse a parameter whose row axes and the streams' would broadcast to an outer product:
-    a size-1 axis of its own that the streams widen *and* an axis that widens the streams'
-    (numpy would pair every parameter value with every stream row: T of shape (4, 1) next to
-    x (4, N) gives 4 x 4 results; the mistake is a keepdim column).  A parameter may widen
-    the streams' rows (q (H, L, D) over a K of (H, 1, N, D)) or be widened by them."""
-    if not streams:
-        return
-    s_rows = np.broadcast_shapes(*(row_shapes[s] for s in streams))
+def _check_parameter_rows(row_shapes: dict, params: list, arrays: dict, vec):
+    """Refuse a parameter whose row axes and the other inputs' would broadcast to an outer
+    product: a size-1 axis of its own that the others widen *and* an axis that widens
+    theirs (numpy would pair every parameter value with every row of the others: T of shape
+    (4, 1) next to x (4, N) gives 4 x 4 results; the mistake is a keepdim column).  A
+    parameter may widen the others' rows (q (H, L, D) over a K of (H, 1, N, D)) or be
+    widened by them (causal attention's pos (1, L) next to that q)."""
     for p in params:
         own = row_shapes[p]
-        aligned = ((1,) * len(own) + tuple(s_rows))[-len(own):] if own else ()
+        others = np.broadcast_shapes(*(r for k, r in row_shapes.items() if k != p))
+        aligned = ((1,) * len(own) + tuple(others))[-len(own):] if own else ()
         widened = any(a == 1 and b > 1 for a, b in zip(own, aligned, strict=True))
         widens = any(a > 1 and b == 1 for a, b in zip(own, aligned, strict=True))
         if widened and widens:
-            tail = f"(*rows, D) = {(*s_rows, arrays[p].shape[-1])}" if p in vec else \
-                f"(*rows,) = {tuple(s_rows)}"
+            tail = f"(*rows, D) = {(*others, arrays[p].shape[-1])}" if p in vec else \
+                f"(*rows,) = {tuple(others)}"
             _fail(p, arrays[p].shape, f"a scalar or {tail} (axes of size 1 broadcast): its "
-                  f"row axes {tuple(own)} and the streams' {tuple(s_rows)} would pair every "
-                  f"value of '{p}' with every stream row ({np.broadcast_shapes(own, s_rows)} "
-                  "results)")
+                  f"row axes {tuple(own)} and the other inputs' {tuple(others)} would pair "
+                  f"every value of '{p}' with every row of theirs "
+                  f"({np.broadcast_shapes(own, others)} results)")
 
 
 def _as_array(name: str, value) -> np.ndarray:

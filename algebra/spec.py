@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from .errors import SpecError
+from .errors import NotFusable, SpecError
 from .functions import COMPARISONS, CONNECTIVES, FUNCTIONS, Dot
 from .laws import LAWS
 from .limits import (
@@ -25,6 +25,7 @@ from .limits import (
     check_text,
     check_tree,
     combined,
+    degree_problem,
     node_problem,
     power_problem,
 )
@@ -221,6 +222,10 @@ class _Lifter:
         finally:
             self.in_body = None
         body = _Val(lift(body.expr), body.shape, body.reduces)  # selects at the top
+        results = {r.name for r in self.reductions} | set(self.epilogues)
+        too_high = degree_problem(body.expr, results, {*self._stream_names(), INDEX})
+        if too_high:  # before any stage expands it
+            raise NotFusable(name, *too_high)
         if len(conditions(body.expr)) > MAX_CONDITIONS:
             _fail(call.args[0], f"{op}() body has more than {MAX_CONDITIONS} distinct where() "
                                 "conditions: each one doubles the cases to prove")
@@ -260,8 +265,7 @@ class _Lifter:
         else:
             cost = combined(self.cost[c] for c in ast.iter_child_nodes(node) if c in self.cost)
         self.cost[node] = cost
-        results = {r.name for r in self.reductions} | set(self.epilogues)
-        problem = node_problem(cost, val.expr, results, {*self._stream_names(), INDEX})
+        problem = node_problem(cost, val.expr)
         if problem:
             _fail(node, problem)
 

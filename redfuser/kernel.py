@@ -120,7 +120,9 @@ class Kernel:
             if dtype != np.float32:
                 raise TypeError(f"input '{name}' has dtype {dtype}; this kernel computes in "
                                 "float32: pass float32 arrays")
-        return resolve(self.rule.cascade, inputs, dtype=np.float32)
+        layout = resolve(self.rule.cascade, inputs, dtype=np.float32)
+        _check_not_empty(layout, inputs)
+        return layout
 
     def geometry(self, **inputs) -> Geometry:
         """The shapes of a call on ``inputs`` (checked as a call checks them)."""
@@ -260,6 +262,19 @@ class Kernel:
         """Compile for the geometry of ``inputs`` without running (arrays may be dummies)."""
         self._compiled(self.geometry(**inputs))
         return self
+
+
+def _check_not_empty(layout, inputs: dict) -> None:
+    """No rows, or a feature axis D of 0: TVM refuses zero-sized buffers (with a message
+    about strides), so the input that has the empty axis is named here instead."""
+    empty = [] if layout.d != 0 else ["a feature axis D of 0"]
+    if 0 in layout.rows:
+        empty.append(f"no rows (row axes {layout.rows})")
+    if empty:
+        culprit = next(name for name, a in layout.arrays.items()
+                       if 0 in a.shape[:-1] or (a.shape[-1] == 0 and name in layout.vector))
+        raise ValueError(f"input '{culprit}' has shape {np.shape(inputs[culprit])}: "
+                         f"{' and '.join(empty)}; a kernel needs at least one row and D >= 1")
 
 
 def _evict(cache: OrderedDict) -> None:

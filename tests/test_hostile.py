@@ -84,6 +84,14 @@ def test_unbounded_work_is_refused_naming_the_limit(spec, limit):
     assert f"limit {limit} = " in str(e), str(e)
 
 
+def test_a_power_too_high_names_its_reduction():
+    """Over MAX_DEGREE the power could not be re-anchored within MAX_RANK state sums: the
+    cascade is valid but not fusable, refused before any stage expands the power."""
+    e = refusal("m = max(x[i]); z = x[i] - m; v = sum(exp(z) * z**40)")
+    assert isinstance(e, redfuser.NotFusable) and e.reduction == "v", str(e)
+    assert "`(-m + x)**40` is a power 40" in str(e) and "limit MAX_DEGREE = 15" in str(e)
+
+
 def test_limits_keep_what_works():
     """Just under each limit, derive still works (the limits refuse what is too large, not
     what is merely large)."""

@@ -145,3 +145,16 @@ def test_source_before_a_call_names_what_exists():
     with pytest.raises(RuntimeError, match=r"kernel\.prepare\(\*\*inputs\)"):
         k.source()
     assert "prim_func" in k.prepare(x=X).source()
+
+
+def test_kernel_names_an_empty_row_or_feature_axis():
+    """TVM refuses zero-sized buffers with a message about strides: the kernel names the
+    input instead (evaluate and the reference give numpy's empty results)."""
+    q, kv = np.ones((2, 3, 0), np.float32), np.ones((2, 1, 5, 0), np.float32)
+    with pytest.raises(ValueError, match=r"input 'k' has shape \(2, 1, 5, 0\): a feature axis "
+                                         "D of 0"):
+        redfuser.compile("attention")(q=q, k=kv, v=kv, scale=1.0)
+    assert redfuser.derive("attention").evaluate({"q": q, "k": kv, "v": kv, "scale": 1.0})[
+        "o"].shape == (2, 3, 0)
+    with pytest.raises(ValueError, match=r"input 'x' has shape \(3, 0, 8\): no rows"):
+        redfuser.compile("softmax")(x=np.ones((3, 0, 8), np.float32))
