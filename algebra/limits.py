@@ -254,12 +254,15 @@ def _armable() -> bool:
 
 
 @contextlib.contextmanager
-def time_budget(seconds: float) -> Iterator[None]:
+def time_budget(seconds: float | None) -> Iterator[None]:
     """Run the block within ``seconds`` of CPU time: when they are spent, ``OverBudget`` is
     raised wherever the block is (once).  Elsewhere than the main thread of a POSIX process
     the block runs unbounded: the other limits still bound what a spec can ask for.  An
-    ``OverBudget`` no stage converted leaves as a ``SpecError``."""
-    if not _armable():
+    ``OverBudget`` no stage converted leaves as a ``SpecError``.  ``None``: no budget."""
+    if seconds is not None and not (isinstance(seconds, (int, float)) and 0 < seconds < math.inf):
+        raise ValueError(f"a time budget is a positive number of seconds or None, not "
+                         f"{seconds!r}")
+    if seconds is None or not _armable():
         yield
         return
     state = {"on": True}

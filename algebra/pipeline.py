@@ -10,14 +10,14 @@ from .rule import FusionRule
 from .spec import parse
 
 
-def derive(spec: str, *, budget_s: float = DERIVE_BUDGET_S.value) -> FusionRule:
+def derive(spec: str, *, budget_s: float | None = DERIVE_BUDGET_S.value) -> FusionRule:
     """Derive the proven one-pass fusion rule of a cascade (spec text or a library name).
 
     Every identity the rule relies on is checked by sympy first; a rule that could
     not be proven is never returned (``NotFusable`` names the reduction and why).
     Any string gets a rule, a ``SpecError`` or a ``NotFusable`` within bounded work: the
     limits of ``algebra.limits`` (size, nesting, constants, powers, reductions), and
-    ``budget_s`` seconds of CPU time as the last resort.
+    ``budget_s`` seconds of CPU time as the last resort (None: no budget).
 
     Examples
     --------
