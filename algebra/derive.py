@@ -23,6 +23,7 @@ from .components import (
 from .errors import NotFusable
 from .functions import Where
 from .laws import LAWS
+from .limits import charged_to
 from .prove import Obligation
 from .selects import masked
 from .separate import (
@@ -42,8 +43,9 @@ def derive_components(cascade: Cascade) -> tuple[Component, ...]:
     family = {"linear": _linear, "selecting": _select, "multiplicative": _product}
     out = []
     for r in cascade.reductions:
-        check_selects(r.name, r.body, set(r.anchors), LAWS[r.op].family)
-        out.append(family[LAWS[r.op].family](r, set(r.anchors), streams))
+        with charged_to(r):  # the time budget (limits) running out here is r's NotFusable
+            check_selects(r.name, r.body, set(r.anchors), LAWS[r.op].family)
+            out.append(family[LAWS[r.op].family](r, set(r.anchors), streams))
     return tuple(out)
 
 

@@ -8,16 +8,22 @@ and 1 otherwise (k for top-k results), F is D for feature vectors and 1 otherwis
 Which inputs carry the feature axis: those written ``x[i, :]`` / ``g[:]`` or passed to
 ``dot``; any other stream whose trailing axes can only be read as (N, D) is read so;
 a stream that could be read both ways is an error that asks for ``x[i, :]``.
+
+Inputs that disagree are errors naming the input and the shape expected: a parameter whose
+rows and the other inputs' would broadcast to an outer product (T of shape (4, 1) next to
+x (4, N): a parameter may widen the others' rows, as q (H, L, D) does K's (H, 1, N, D), or be
+widened by them, not both), and an ``N`` passed next to streams of another length.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from numbers import Number
 
 import numpy as np
 
-from .spec import Cascade, carries_feature_axis
+from .spec import LENGTH, Cascade, carries_feature_axis
 
 
 @dataclass(frozen=True)
@@ -54,13 +60,13 @@ def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
     if missing:
         raise ValueError(f"missing input(s) {missing}: the spec reads streams {streams} "
                          f"((*rows, N) or (*rows, N, D)) and parameters {params}")
-    extra = sorted(set(inputs) - expected - {"N"})
+    extra = sorted(set(inputs) - expected - {LENGTH})
     if extra:
         raise ValueError(f"unexpected input(s) {extra}: the spec reads {sorted(expected)}")
     arrays = {k: _as_array(k, inputs[k]) for k in sorted(expected)}
     dtype = np.dtype(dtype) if dtype is not None else _working_dtype(arrays)
     vec = set(cascade.vector_inputs)
-    n = _stream_length(cascade, arrays, vec, inputs.get("N"))
+    n = _stream_length(cascade, arrays, vec, _length(inputs.get(LENGTH)))
     d = _feature_length(arrays, vec, streams)
     known = [a.ndim - (2 if k in vec else 1 if k in streams else 1 if k in vec else 0)
              for k, a in arrays.items() if k in vec or k in params]
@@ -89,7 +95,47 @@ def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
     except ValueError:
         desc = ", ".join(f"{k}: {v}" for k, v in row_shapes.items())
         raise ValueError(f"row axes do not broadcast ({desc})") from None
+    _check_parameter_rows(row_shapes, params, arrays, vec)
     return Layout(tuple(rows), n, d, dtype, views, frozenset(vec))
+
+
+def _length(given) -> int | None:
+    """The ``N`` a caller passed: a non-negative integer (or None: not passed)."""
+    if given is None:
+        return None
+    try:
+        if isinstance(given, bool):
+            raise TypeError
+        n = operator.index(given)
+    except TypeError:
+        raise ValueError(f"input '{LENGTH}' is the stream length: a non-negative integer, "
+                         f"not {given!r}") from None
+    if n < 0:
+        raise ValueError(f"input '{LENGTH}' is the stream length: a non-negative integer, "
+                         f"not {n}")
+    return n
+
+
+def _check_parameter_rows(row_shapes: dict, params: list, arrays: dict, vec):
+    """Refuse a parameter whose row axes and the other inputs' would broadcast to an outer
+    product: a size-1 axis of its own that the others widen *and* an axis that widens
+    theirs (numpy would pair every parameter value with every row of the others: T of shape
+    (4, 1) next to x (4, N) gives 4 x 4 results; the mistake is a keepdim column).  A
+    parameter may widen the others' rows (q (H, L, D) over a K of (H, 1, N, D)) or be
+    widened by them (causal attention's pos (1, L) next to that q)."""
+    for p in params:
+        own = row_shapes[p]
+        others = np.broadcast_shapes(*(r for k, r in row_shapes.items() if k != p))
+        aligned = ((1,) * len(own) + tuple(others))[-len(own):] if own else ()
+        widened = any(a == 1 and b > 1 for a, b in zip(own, aligned, strict=True))
+        widens = any(a > 1 and b == 1 for a, b in zip(own, aligned, strict=True))
+        if widened and widens:
+            tail = f"(*rows, D) = {(*others, arrays[p].shape[-1])}" if p in vec else \
+                f"(*rows,) = {tuple(others)}"
+            _fail(p, arrays[p].shape, f"a scalar or {tail} (axes of size 1 broadcast): its "
+                  f"row axes {tuple(own)} and the other inputs' {tuple(others)} would pair "
+                  f"every value of '{p}' with every row of theirs "
+                  f"({np.broadcast_shapes(own, others)} results)")
 
 
 def _as_array(name: str, value) -> np.ndarray:
@@ -110,21 +156,34 @@ def _working_dtype(arrays) -> np.dtype:
     return np.result_type(*floats) if floats else np.dtype(np.float64)
 
 
-def _stream_length(cascade, arrays, vec, given) -> int:
+def _stream_length(cascade, arrays, vec, given: int | None) -> int:
+    """N: the streams' length (``given``, the caller's N, must agree), else ``given``."""
+    n, source = _measured_length(cascade, arrays, vec)
+    if n is None:
+        if given is None:
+            raise ValueError(f"the spec streams only the index i: pass {LENGTH}=<stream length>")
+        return given
+    if given is not None and given != n:
+        raise ValueError(f"input '{LENGTH}' is {given}, but stream '{source}' has length {n} "
+                         f"(shape {tuple(arrays[source].shape)}): {LENGTH} follows from the "
+                         "streams; pass it only when the spec streams nothing but i")
+    return n
+
+
+def _measured_length(cascade, arrays, vec) -> tuple[int | None, str | None]:
+    """(N, the stream it was read from), or (None, None) when nothing but i is streamed."""
     streams = [s.name for s in cascade.streams]
     for s in streams:
         if s in vec:
             if arrays[s].ndim < 2:
                 _fail(s, arrays[s].shape, "(*rows, N, D): it carries a feature axis")
-            return arrays[s].shape[-2]
+            return arrays[s].shape[-2], s
     if streams:
         s = min(streams, key=lambda k: arrays[k].ndim)
         if arrays[s].ndim < 1:
             _fail(s, arrays[s].shape, "(*rows, N): it is streamed")
-        return arrays[s].shape[-1]
-    if given is None:
-        raise ValueError("the spec streams only the index i: pass N=<stream length>")
-    return int(given)
+        return arrays[s].shape[-1], s
+    return None, None
 
 
 def _feature_length(arrays, vec, streams) -> int | None:

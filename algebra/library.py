@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+
 import numpy as np
+
+from .errors import SpecError
 
 _SOFTMAX = "m = max(x[i])\nd = sum(exp(x[i] - m))\n"
 _ATTENTION = "m = max(s)\nd = sum(exp(s - m))\no = sum(exp(s - m) * v[i, :]) / d"
@@ -52,8 +56,29 @@ LIBRARY: dict[str, tuple[str, str]] = {
 
 
 def resolve_spec(spec: str) -> str:
-    """A library name -> its spec text; anything else is taken as spec text."""
-    return LIBRARY[spec][0] if spec in LIBRARY else spec
+    """A library name -> its spec text; anything else is taken as spec text, except a lone
+    word, which can only have been meant as a library name.
+
+    Examples
+    --------
+    >>> resolve_spec("logsumexp").splitlines()[0]
+    'm = max(x[i])'
+    >>> resolve_spec("softmx")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    algebra.errors.SpecError: line 1, column 1: 'softmx' is not a library cascade (did you mean...
+    """
+    if not isinstance(spec, str):
+        return spec  # the parser names what it is instead
+    word = spec.strip()
+    if word in LIBRARY:
+        return LIBRARY[word][0]
+    if word.isidentifier():
+        near = difflib.get_close_matches(word, LIBRARY, n=1)
+        hint = f" (did you mean '{near[0]}'?)" if near else " (see redfuser.LIBRARY)"
+        raise SpecError(f"'{word}' is not a library cascade{hint}; a spec assigns, e.g. "
+                        "'m = max(x[i])'", 1, spec.index(word[0]) + 1)
+    return spec
 
 
 def example_inputs(name: str, n: int = 64, rows: tuple = (4,), d: int = 16, seed: int = 0):

@@ -15,9 +15,20 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from .errors import SpecError
+from .errors import NotFusable, SpecError
 from .functions import COMPARISONS, CONNECTIVES, FUNCTIONS, Dot
 from .laws import LAWS
+from .limits import (
+    MAX_DEPTH,
+    MAX_REDUCTIONS,
+    budget_raises,
+    check_text,
+    check_tree,
+    combined,
+    degree_problem,
+    node_problem,
+    power_problem,
+)
 from .selects import MAX_CONDITIONS, conditions, lift
 
 INDEX, LENGTH = "i", "N"  # the stream index and the stream length
@@ -126,10 +137,14 @@ class _Lifter:
         self.in_body: ast.AST | None = None  # the reduction call whose body is being lifted
         self.read: set[str] = set()  # assigned names read by a later statement
         self.target = ""
+        # (size, depth) of each lifted node with its lets substituted, and of each let
+        self.cost: dict[ast.AST, tuple[int, int]] = {}
+        self.let_cost: dict[str, tuple[int, int]] = {}
 
     def run(self) -> Cascade:
         for stmt in self.tree.body:
-            self.statement(stmt)
+            with budget_raises(lambda why, s=stmt: SpecError(why, s.lineno, s.col_offset + 1)):
+                self.statement(stmt)
         self.check()
         streams = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "stream")
         params = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "param")
@@ -176,6 +191,7 @@ class _Lifter:
         streamed = bool(val.expr.free_symbols & (self._streams() | {POSITION}))
         if streamed and val.shape.k:
             _fail(value, "shape mismatch: top-k values combined with a per-element value")
+        self.let_cost[name] = self.cost[value]
         if per_element:
             self.elementwise[name] = val.expr
             self.outputs.append(name)
@@ -191,6 +207,8 @@ class _Lifter:
     def reduction(self, name: str, call: ast.Call, hidden: bool) -> _Val:
         op = _fname(call)
         law = LAWS[op]
+        if len(self.reductions) >= MAX_REDUCTIONS.value:
+            _fail(call, MAX_REDUCTIONS.refusal(f"this is reduction {len(self.reductions) + 1}"))
         if self.in_body is not None:
             _fail(call, f"reduction '{op}' nested inside the body of another reduction "
                         f"(line {self.in_body.lineno}); give the inner one its own statement")
@@ -204,6 +222,10 @@ class _Lifter:
         finally:
             self.in_body = None
         body = _Val(lift(body.expr), body.shape, body.reduces)  # selects at the top
+        results = {r.name for r in self.reductions} | set(self.epilogues)
+        too_high = degree_problem(body.expr, results, {*self._stream_names(), INDEX})
+        if too_high:  # before any stage expands it
+            raise NotFusable(name, *too_high)
         if len(conditions(body.expr)) > MAX_CONDITIONS:
             _fail(call.args[0], f"{op}() body has more than {MAX_CONDITIONS} distinct where() "
                                 "conditions: each one doubles the cases to prove")
@@ -229,7 +251,23 @@ class _Lifter:
         method = getattr(self, "e_" + type(node).__name__, None)
         if method is None:
             _fail(node, f"unsupported syntax: {ast.unparse(node)!r}")
-        return method(node)
+        val = method(node)
+        self._charge(node, val)
+        return val
+
+    def _charge(self, node: ast.AST, val: _Val):
+        """Bound what the node built, its lets substituted: (size, depth) from its children's
+        (``limits.combined``), its constants and powers (``limits.node_problem``)."""
+        if isinstance(node, ast.Name):
+            cost = self.let_cost.get(node.id, (1, 0))
+        elif isinstance(node, ast.Call) and _fname(node) in LAWS:
+            cost = (1, 0)  # the body is the reduction's; here stands its result
+        else:
+            cost = combined(self.cost[c] for c in ast.iter_child_nodes(node) if c in self.cost)
+        self.cost[node] = cost
+        problem = node_problem(cost, val.expr)
+        if problem:
+            _fail(node, problem)
 
     def e_Constant(self, node):
         if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
@@ -298,6 +336,8 @@ class _Lifter:
         fn = ops.get(type(node.op))
         if fn is None:
             _fail(node, f"unsupported operator in {ast.unparse(node)!r}")
+        if isinstance(node.op, ast.Pow):
+            self._check_power(node, a.expr, b.expr)
         value = fn(a.expr, b.expr)
         if _undefined(value):
             _fail(node, f"'{ast.unparse(node)}' is undefined (division by zero or a complex "
@@ -341,6 +381,8 @@ class _Lifter:
             args = [self.number(a, f"{fname}()") for a in node.args]
         if fname == "dot":
             return self._dot(node, args)
+        if fname == "pow":
+            self._check_power(node, args[0].expr, args[1].expr)
         shape = args[0].shape
         for a in args[1:]:
             shape = shape.join(a.shape, node)
@@ -395,7 +437,17 @@ class _Lifter:
         self.vector.add(name)
 
     def _streams(self) -> set[sp.Symbol]:
-        return {sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "stream"}
+        return {sp.Symbol(n, real=True) for n in self._stream_names()}
+
+    def _stream_names(self) -> list[str]:
+        return [n for n, k in self.kind.items() if k == "stream"]
+
+    @staticmethod
+    def _check_power(node: ast.AST, base: sp.Expr, exponent: sp.Expr):
+        """Before sympy evaluates a constant power exactly (10**10**10 would never end)."""
+        problem = power_problem(base, exponent)
+        if problem:
+            _fail(node, problem)
 
     def _hidden_name(self, op: str) -> str:
         base = f"{self.target}_{op}"
@@ -469,6 +521,7 @@ def parse(text: str) -> Cascade:
     """
     if not isinstance(text, str):
         raise SpecError(f"a spec is a string, not {type(text).__name__}")
+    longest = check_text(text)  # size limits, before Python's parser sees the text
     for pos, ch in enumerate(text):
         if ch == "\0" or 0xD800 <= ord(ch) <= 0xDFFF:  # NUL or a lone surrogate
             line = text.count("\n", 0, pos) + 1
@@ -478,6 +531,10 @@ def parse(text: str) -> Cascade:
         tree = ast.parse(text, mode="exec")
     except SyntaxError as e:
         raise SpecError(f"syntax error: {e.msg}", e.lineno or 1, e.offset or 1) from None
+    except (RecursionError, MemoryError):  # the parser's own depth limit, lower on a deep stack
+        raise SpecError(MAX_DEPTH.refusal("the statement that starts here nests too deeply "
+                                          "for Python's parser"), *longest) from None
+    check_tree(tree)  # nesting, before the lifter recurses over the tree
     if not tree.body:
         raise SpecError("empty spec: write at least one reduction, e.g. 'm = max(x[i])'", 1, 1)
     return _Lifter(text, tree).run()

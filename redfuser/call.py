@@ -13,6 +13,7 @@ shape, dtype, alignment or layout is a clear error naming the output.
 from __future__ import annotations
 
 import importlib
+import operator
 from dataclasses import dataclass
 from math import prod
 from numbers import Number
@@ -34,8 +35,19 @@ def input_key(inputs: dict) -> tuple:
     """What a call's plan depends on: per input, a number or (shape, dtype, contiguous, type);
     the stream length ``N`` (given when only the index is streamed) by its value.  In the
     caller's order (another order is another key: a second plan, no recompile)."""
-    return tuple((name, ("value", v, None, True) if name == LENGTH else _key(v))
+    return tuple((name, _length_key(v) if name == LENGTH else _key(v))
                  for name, v in inputs.items())
+
+
+def _length_key(v) -> tuple:
+    """``N`` by its integer value (np.int64(7) and 7 share a plan); anything that is not an
+    integer gets a key of its own, and the layout check names the problem."""
+    try:
+        if not isinstance(v, bool):
+            return ("value", operator.index(v), None, True)
+    except TypeError:
+        pass
+    return ("other", repr(v), None, False)
 
 
 def _key(v) -> tuple:

@@ -16,31 +16,82 @@ load), so ``redfuser derive`` stays a sympy-only command.
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
+import os
+import stat
 import sys
 import time
 
 from algebra import LIBRARY, NotFusable, SpecError, derive
+from algebra.limits import MAX_SPEC_CHARS
 
 KERNEL_ROUNDS = 5  # `redfuser kernels`: alternating rounds timed per cascade (median)
+# `derive -f`: bytes read at most.  UTF-8 spends at most 4 bytes a character, so no spec the
+# parser accepts (MAX_SPEC_CHARS) is longer; /dev/zero is not read until memory runs out.
+MAX_FILE_BYTES = 4 * MAX_SPEC_CHARS.value
+
+
+class UsageError(Exception):
+    """A command line that cannot be run: one line on stderr, exit code 2."""
+
+
+def _read_spec_file(path: str) -> str:
+    """The text of a spec file; a missing, unreadable, non-regular, binary or oversized one
+    is a ``UsageError`` (a FIFO is refused before it is opened: opening it would wait for a
+    writer)."""
+    try:
+        mode = os.stat(path).st_mode
+        if stat.S_ISDIR(mode):
+            raise UsageError(f"{path!r} is a directory, not a spec file")
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            raise UsageError(f"{path!r} is a FIFO or a socket, not a spec file (pass the spec "
+                             "text as the argument instead)")
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise UsageError(f"cannot read {path!r}: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UsageError(f"{path!r} is larger than {MAX_FILE_BYTES} bytes: not a spec (a spec "
+                         f"has at most MAX_SPEC_CHARS = {MAX_SPEC_CHARS.value} characters)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path!r} is not UTF-8 text (byte {data[e.start]:#04x} at offset "
+                         f"{e.start})") from None
+
+
+def _positive(text: str) -> int:
+    """argparse type: a positive integer (a size)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {value}")
+    return value
+
+
+def _row_axes(text: str) -> tuple[int, ...]:
+    """argparse type: row axes such as ``8x1024``, each a positive integer."""
+    try:
+        return tuple(_positive(part) for part in text.split("x"))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected row axes such as 8x1024 (positive "
+                                         f"integers), not {text!r}") from None
 
 
 def _derive_cmd(args: argparse.Namespace) -> int:
     if args.list:
-        width = max(map(len, LIBRARY))
-        for name, (_, what) in LIBRARY.items():
-            print(f"{name:<{width}}  {what}")
-        return 0
+        return _list(args)
     if args.all:
         return _derive_all(args)
     if args.file:
-        with open(args.file) as f:
-            spec = f.read()
+        spec = _read_spec_file(args.file)
     elif args.spec:
         spec = args.spec
     else:
-        print("redfuser derive: give a spec, a library name (--list), -f FILE or --all",
-              file=sys.stderr)
-        return 2
+        raise UsageError("give a spec, a library name (--list), -f FILE or --all")
     try:
         rule = derive(spec)
     except (SpecError, NotFusable) as e:
@@ -50,20 +101,40 @@ def _derive_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _list(args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps({name: {"spec": spec, "description": what}
+                          for name, (spec, what) in LIBRARY.items()}, indent=2))
+        return 0
+    width = max(map(len, LIBRARY))
+    for name, (_, what) in LIBRARY.items():
+        print(f"{name:<{width}}  {what}")
+    return 0
+
+
 def _derive_all(args: argparse.Namespace) -> int:
-    rows = []
+    """Every library rule, then a table of derive times and proofs; with --json one JSON
+    document instead (name -> the rule's JSON plus its derive time)."""
+    rows, docs = [], {}
     for name in LIBRARY:
         start = time.perf_counter()
         rule = derive(name)
         seconds = time.perf_counter() - start
-        print(rule.to_latex() if args.latex else rule.to_json() if args.json else rule)
-        print()
         rows.append((name, seconds, sum(rule.status), len(rule.status)))
+        if args.json:
+            docs[name] = {**json.loads(rule.to_json()), "derive_ms": round(seconds * 1e3, 1)}
+            continue
+        print(rule.to_latex() if args.latex else rule)
+        print()
+    ok = all(proven == total for _, _, proven, total in rows)
+    if args.json:
+        print(json.dumps(docs, indent=2))
+        return 0 if ok else 1
     print(f"{'cascade':<18} {'derive':>9}  proof")
-    for name, seconds, ok, total in rows:
-        mark = "proven" if ok == total else "NOT PROVEN"
-        print(f"{name:<18} {seconds * 1e3:7.1f} ms  {mark} ({ok}/{total} obligations)")
-    return 0 if all(ok == total for _, _, ok, total in rows) else 1
+    for name, seconds, proven, total in rows:
+        mark = "proven" if proven == total else "NOT PROVEN"
+        print(f"{name:<18} {seconds * 1e3:7.1f} ms  {mark} ({proven}/{total} obligations)")
+    return 0 if ok else 1
 
 
 def _kernels_cmd(args: argparse.Namespace) -> int:
@@ -75,8 +146,7 @@ def _kernels_cmd(args: argparse.Namespace) -> int:
     names = args.names or list(LIBRARY)
     unknown = [n for n in names if n not in LIBRARY]
     if unknown:
-        print(f"redfuser kernels: not in the library: {', '.join(unknown)}", file=sys.stderr)
-        return 2
+        raise UsageError("not in the library: " + ", ".join(_with_hint(n) for n in unknown))
     print(f"{'cascade':<16} {'compile':>8} {'fused':>9} {'unfused':>9} {'unf/fus':>8} "
           f"{'max rel err':>12}  plan")
     worst = 0.0
@@ -96,6 +166,11 @@ def _kernels_cmd(args: argparse.Namespace) -> int:
               f"{err:12.2e}  {fused.plan.variant}{loses}")
     print(f"worst relative error vs the float64 oracle: {worst:.2e} (float32 kernels)")
     return 0 if worst < 1e-3 else 1
+
+
+def _with_hint(name: str) -> str:
+    near = difflib.get_close_matches(name, LIBRARY, n=1)
+    return f"{name} (did you mean {near[0]}?)" if near else name
 
 
 def _interleaved(kernels, inputs: dict, np, rounds: int = KERNEL_ROUNDS) -> list[float]:
@@ -118,19 +193,17 @@ def _max_rel_err(out: dict, ref: dict, np) -> float:
     return worst
 
 
-def _parse_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
-    """``["x=4096x4096", "scale="]`` -> {"x": (4096, 4096), "scale": ()}."""
-    shapes = {}
-    for item in items:
-        name, sep, dims = item.partition("=")
-        try:
-            if not sep or not name.isidentifier():
-                raise ValueError
-            shapes[name] = tuple(int(d) for d in dims.split("x")) if dims else ()
-        except ValueError:
-            raise SystemExit(f"redfuser tune: --shape wants NAME=AxBxC (e.g. x=4096x4096), "
-                             f"not {item!r}") from None
-    return shapes
+def _shape(item: str) -> tuple[str, tuple[int, ...]]:
+    """argparse type of --shape: ``x=4096x4096`` -> ("x", (4096, 4096)); ``scale=`` -> a
+    scalar; every axis a positive integer."""
+    name, sep, dims = item.partition("=")
+    try:
+        if not sep or not name.isidentifier():
+            raise ValueError
+        return name, _row_axes(dims) if dims else ()
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected NAME=AxBxC with positive axes (e.g. "
+                                         f"x=4096x4096), not {item!r}") from None
 
 
 def _tune_cmd(args: argparse.Namespace) -> int:
@@ -139,8 +212,7 @@ def _tune_cmd(args: argparse.Namespace) -> int:
 
     try:
         rule = derive(args.spec)
-        rows = tuple(int(r) for r in args.rows.split("x"))
-        geo = shape_geometry(rule, _parse_shapes(args.shape), rows=rows, n=args.n, d=args.d)
+        geo = shape_geometry(rule, dict(args.shape), rows=args.rows, n=args.n, d=args.d)
     except (SpecError, NotFusable, ValueError) as e:
         print(f"redfuser tune: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -203,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     fmt.add_argument("--json", action="store_true", help="print JSON")
     k = sub.add_parser("kernels", help="compile, check and time library kernels")
     k.add_argument("names", nargs="*", help="library cascades (default: all)")
-    k.add_argument("--rows", type=int, default=512, help="rows (default 512)")
-    k.add_argument("--n", type=int, default=2048, help="stream length N (default 2048)")
-    k.add_argument("--d", type=int, default=64, help="feature length D (default 64)")
+    k.add_argument("--rows", type=_positive, default=512, help="rows (default 512)")
+    k.add_argument("--n", type=_positive, default=2048, help="stream length N (default 2048)")
+    k.add_argument("--d", type=_positive, default=64, help="feature length D (default 64)")
     _tune_parser(sub)
     _db_parser(sub)
     sub.add_parser("bench", help="the benchmark (python -m redfuser.tools.bench: its options "
@@ -216,25 +288,31 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    return {"derive": _derive_cmd, "kernels": _kernels_cmd, "tune": _tune_cmd,
-            "db": _db_cmd}[args.command](args)
+    commands = {"derive": _derive_cmd, "kernels": _kernels_cmd, "tune": _tune_cmd,
+                "db": _db_cmd}
+    try:
+        return commands[args.command](args)
+    except UsageError as e:
+        print(f"redfuser {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 def _tune_parser(sub) -> None:
     t = sub.add_parser("tune", help="search the schedule for given shapes and remember it")
     t.add_argument("spec", help="spec text or a library name")
-    t.add_argument("--shape", action="append", default=[], metavar="NAME=AxB",
+    t.add_argument("--shape", action="append", default=[], metavar="NAME=AxB", type=_shape,
                    help="an input's shape (repeat per input); others from --rows/--n/--d")
-    t.add_argument("--rows", default="1024", help="row axes of the other inputs, e.g. 8x1024")
-    t.add_argument("--n", type=int, default=4096, help="stream length N (default 4096)")
-    t.add_argument("--d", type=int, default=64, help="feature length D (default 64)")
+    t.add_argument("--rows", type=_row_axes, default=(1024,),
+                   help="row axes of the other inputs, e.g. 8x1024 (default 1024)")
+    t.add_argument("--n", type=_positive, default=4096, help="stream length N (default 4096)")
+    t.add_argument("--d", type=_positive, default=64, help="feature length D (default 64)")
     t.add_argument("--target", choices=("cpu", "cuda"), default="cpu")
     t.add_argument("--variant", action="append", choices=("rolling", "split", "unfused"),
                    help="search only these variants (repeatable)")
-    t.add_argument("--top", type=int, default=4, help="candidates measured (default 4, plus "
-                                                      "the hand-written plan)")
-    t.add_argument("--repeat", type=int, default=5, help="timed runs per measurement")
-    t.add_argument("--rounds", type=int, default=2, help="measurements per candidate")
+    t.add_argument("--top", type=_positive, default=4, help="candidates measured (default 4, "
+                                                            "plus the hand-written plan)")
+    t.add_argument("--repeat", type=_positive, default=5, help="timed runs per measurement")
+    t.add_argument("--rounds", type=_positive, default=2, help="measurements per candidate")
     t.add_argument("--no-store", action="store_true", help="do not write the database")
 
 

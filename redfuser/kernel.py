@@ -25,6 +25,7 @@ import numpy as np
 
 from algebra import FusionRule, derive
 from algebra.layout import resolve
+from algebra.spec import LENGTH
 
 from .call import (
     CallPlan,
@@ -113,13 +114,15 @@ class Kernel:
     # Step 1. Check the inputs ---------------------------------------------------------
     def _layout(self, inputs: dict):
         for name, value in inputs.items():
-            if isinstance(value, Number) or not hasattr(value, "dtype"):
-                continue
+            if name == LENGTH or isinstance(value, Number) or not hasattr(value, "dtype"):
+                continue  # N is a count, checked as one by the layout
             dtype = np.dtype(str(value.dtype).replace("torch.", ""))
             if dtype != np.float32:
                 raise TypeError(f"input '{name}' has dtype {dtype}; this kernel computes in "
                                 "float32: pass float32 arrays")
-        return resolve(self.rule.cascade, inputs, dtype=np.float32)
+        layout = resolve(self.rule.cascade, inputs, dtype=np.float32)
+        _check_not_empty(layout, inputs)
+        return layout
 
     def geometry(self, **inputs) -> Geometry:
         """The shapes of a call on ``inputs`` (checked as a call checks them)."""
@@ -259,6 +262,19 @@ class Kernel:
         """Compile for the geometry of ``inputs`` without running (arrays may be dummies)."""
         self._compiled(self.geometry(**inputs))
         return self
+
+
+def _check_not_empty(layout, inputs: dict) -> None:
+    """No rows, or a feature axis D of 0: TVM refuses zero-sized buffers (with a message
+    about strides), so the input that has the empty axis is named here instead."""
+    empty = [] if layout.d != 0 else ["a feature axis D of 0"]
+    if 0 in layout.rows:
+        empty.append(f"no rows (row axes {layout.rows})")
+    if empty:
+        culprit = next(name for name, a in layout.arrays.items()
+                       if 0 in a.shape[:-1] or (a.shape[-1] == 0 and name in layout.vector))
+        raise ValueError(f"input '{culprit}' has shape {np.shape(inputs[culprit])}: "
+                         f"{' and '.join(empty)}; a kernel needs at least one row and D >= 1")
 
 
 def _evict(cache: OrderedDict) -> None:

@@ -12,8 +12,10 @@ default ``prepend`` import mode puts this directory on ``sys.path``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 import tempfile
 
 import numpy as np
@@ -199,3 +201,27 @@ def assert_matches(fused: np.ndarray, ref: np.ndarray, rtol: float, atol, name: 
 def assert_indices_equal(fused: np.ndarray, ref: np.ndarray, name: str = ""):
     assert fused.dtype.kind in "iu", f"{name}: index output has dtype {fused.dtype}"
     np.testing.assert_array_equal(fused, ref, err_msg=f"{name}: indices differ")
+
+
+# -- hangs ----------------------------------------------------------------------------------
+
+class Hang(BaseException):
+    """A call ran past its wall-clock limit.  Not an Exception on purpose: hypothesis then
+    reports the example at once instead of shrinking it (each shrink step would cost the full
+    limit), and no ``except Exception`` in the code under test can swallow it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Raise ``Hang`` if the block runs for more than ``seconds`` of wall-clock time (a hang
+    detector with a generous limit, never a speed assertion)."""
+    def expire(signum, frame):
+        raise Hang(f"{what} ran for more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

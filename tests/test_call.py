@@ -10,6 +10,7 @@ from conftest import assert_matches
 
 import redfuser
 from algebra.library import example_inputs
+from redfuser import kernel as kernel_module
 
 RTOL = ATOL = 2e-5  # float32 kernels against the float64 oracle (as tests/test_lowering.py)
 
@@ -93,3 +94,17 @@ def test_a_new_stream_length_given_as_N_is_a_new_plan():
 def test_out_is_a_reserved_name(spec):
     with pytest.raises(redfuser.SpecError, match="'out' is reserved"):
         redfuser.derive(spec)
+
+
+def test_per_shape_caches_are_bounded(monkeypatch):
+    """Repro kernel_cache_growth.py: every new N compiled an executable that stayed in memory
+    (81 after 80 shapes).  The executables and the call plans are LRU caches of MAX_CACHED
+    (32) entries; lowered to 2 here so that the test compiles 4 shapes, not 34.  An evicted
+    shape recompiles and still matches the oracle."""
+    monkeypatch.setattr(kernel_module, "MAX_CACHED", 2)
+    k = redfuser.compile("softmax", tune=False)
+    shapes = [example_inputs("softmax", n=n, rows=(2,)) for n in (5, 6, 7, 8)]
+    for inputs in shapes:
+        k(**inputs)
+        assert len(k._cache) <= 2 and len(k._calls) <= 2
+    _check(k(**shapes[0]), redfuser.reference("softmax", shapes[0]))

@@ -6,12 +6,16 @@ regression test per distinct engine failure the fuzzer has found (smallest spec 
 
 from __future__ import annotations
 
-import contextlib
-import signal
-
 import numpy as np
 import pytest
-from conftest import assert_indices_equal, assert_matches, examples, finite_max_abs, schedules
+from conftest import (
+    assert_indices_equal,
+    assert_matches,
+    examples,
+    finite_max_abs,
+    schedules,
+    time_limit,
+)
 from hypothesis import currently_in_test_context, event, given, settings
 from hypothesis import strategies as st
 
@@ -111,25 +115,6 @@ def specs(draw) -> str:
 
 
 DERIVE_SECONDS = 15  # derive takes well under a second for anything the fuzzer writes
-
-
-class DeriveHang(BaseException):
-    """derive ran past DERIVE_SECONDS.  Not an Exception on purpose: hypothesis then reports the
-    example at once instead of shrinking it (each shrink step would cost the full limit)."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float, what: str):
-    def expire(signum, frame):
-        raise DeriveHang(f"{what} ran for more than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _note(outcome: str):
@@ -279,7 +264,7 @@ def test_sum_of_an_identically_zero_body(spec):
 @pytest.mark.parametrize("spec", ["r = sum(2 ** (x[i] ** x[i]))",
                                   "r = sum(pow(b, pow(x[i], x[i])))"])
 def test_tower_of_powers_derives_in_bounded_time(spec):
-    rule = derive_or_reject(spec)  # fails with DeriveHang after DERIVE_SECONDS
+    rule = derive_or_reject(spec)  # fails with Hang after DERIVE_SECONDS
     if rule is not None:
         inputs = {"x": RNG_X, "b": np.full(2, 0.5)}
         inputs = {k: v for k, v in inputs.items() if k in {p.name for p in rule.cascade.params}

@@ -3,6 +3,7 @@
 import pytest
 import sympy as sp
 
+import redfuser
 from algebra.spec import parse
 from redfuser import SpecError
 
@@ -58,6 +59,10 @@ def test_epilogue_as_anchor_and_stream_let_depending_on_a_result():
     ("a = sum(x[i] / 0)", 1, 9, "undefined"),
     ("a = 2 * b", 1, 1, "no reduction"),
     ("a = sum(x[i] > 0)", 1, 9, "is a condition (true or false), used as a number"),
+    # limits (algebra.limits): each names itself and points at the node over it
+    ("m = max(x[i] + 10**10**10)", 1, 16, "limit MAX_CONSTANT_BITS = 1100"),
+    ("m = max(" + "-" * 70 + "x[i])", 1, 72, "limit MAX_DEPTH = 64"),  # the 64th '-'
+    ("m = max(x[i] * 1" + "0" * 400 + ")", 1, 16, "limit MAX_CONSTANT_BITS"),
 ])
 def test_bad_specs_name_line_column_and_problem(spec, line, col, words):
     with pytest.raises(SpecError) as err:
@@ -70,3 +75,11 @@ def test_bad_specs_name_line_column_and_problem(spec, line, col, words):
 def test_spec_error_is_a_value_error():
     with pytest.raises(ValueError):
         parse("m = max(")
+
+
+def test_a_lone_word_is_a_library_name():
+    """A typo of a library name gets the nearest name, not a syntax error."""
+    with pytest.raises(SpecError, match="'softmx' is not a library cascade \\(did you mean "
+                                        "'softmax'\\?\\)"):
+        redfuser.derive("softmx")
+    assert redfuser.derive(" variance\n").cascade.text == redfuser.derive("variance").cascade.text

@@ -138,13 +138,23 @@ def shape_geometry(rule, shapes: dict[str, tuple] | None = None, rows: tuple | N
 
 
 def _defaults(c, shapes: dict, rows, n, d) -> tuple[tuple, int, int]:
-    """rows, n, d from the first given stream where the caller did not say."""
+    """rows, n, d from the first given stream where the caller did not say (None; rows also
+    when empty), else (1,), 64 and 16.  A size the caller gave is checked, never replaced:
+    n = 0 is a size, not "not given"."""
     for s in sorted(x.name for x in c.streams):
         shape = tuple(shapes.get(s, ()))
         if len(shape) >= 2 and s in c.vector_inputs:
-            rows, n, d = rows or shape[:-2], n or shape[-2], d or shape[-1]
+            rows, n, d = rows or shape[:-2], _given(n, shape[-2]), _given(d, shape[-1])
         elif shape:
-            rows, n = rows or shape[:-1], n or shape[-1]
+            rows, n = rows or shape[:-1], _given(n, shape[-1])
         if shape:
             break
-    return tuple(rows or (1,)), int(n or 64), int(d or 16)
+    rows, n, d = tuple(rows or (1,)), _given(n, 64), _given(d, 16)
+    for what, size in [*(("row axis", r) for r in rows), ("n", n), ("d", d)]:
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"{what} must be a positive integer, not {size!r}")
+    return tuple(int(r) for r in rows), int(n), int(d)
+
+
+def _given(value, default):
+    return default if value is None else value
