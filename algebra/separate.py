@@ -4,9 +4,12 @@ Three analyses, one per algebraic family of ``laws.LAWS``:
 
 - ``linear_blocks`` (sum): body = sum_b C_b(a) * K_b(x, a), where C_b depends on the
   anchors only (it moves to finalize) and K_b = sum_t exp(alpha_t(x) + beta_b(a)) * P_t(x, a)
-  with each P_t a polynomial in the anchors.  The exponential keeps its anchor part
-  (that is what keeps exp() in range); the polynomial keeps its shifted form
-  (that is what keeps variance stable).
+  * W_t(gamma_t(x) + theta_b(a)) with each P_t a polynomial in the anchors and W_t a wave
+  (sin, cos, or none).  The exponential keeps its anchor part (that is what keeps exp() in
+  range); the polynomial keeps its shifted form (that is what keeps variance stable); the
+  wave keeps its phase (sin(x - m), not sin x cos m - cos x sin m, stays exact near x = m).
+  ``ADDITION_LAWS`` is the table of the functions of a stream part plus an anchor part that
+  split this way, with the identity each relies on.
 - ``monotone_core`` (max/min/arg*/topk): body = F(g(x), a) for one anchor-free g.
 - ``multiplicative_split`` (prod): body = C(a) * G(x).
 
@@ -24,20 +27,51 @@ from dataclasses import dataclass
 from itertools import product
 
 import sympy as sp
+from sympy.codegen.cfunctions import expm1
+from sympy.simplify.fu import TR8
 
 from .errors import NotFusable
 from .functions import Maximum, Minimum, Relu, Round
 from .selects import conditions, has_select, leaves, masked
 
+PHASE = sp.Dummy("phase", real=True)  # the anchor part theta(a) inside a block's waves
+
+
+@dataclass(frozen=True)
+class AdditionLaw:
+    """How f(g(x) + h(a)) splits into stream functions times anchor functions."""
+
+    rank: int  # state sums per Taylor coefficient (1: a scale, 2: a rotating pair)
+    identity: str  # the theorem the re-anchoring matrix and its proof obligations rest on
+
+
+# Functions of a stream part plus an anchor part with a finite-rank form: data, not branches.
+# b**e (b > 0 a number) is rewritten exp(e*log(b)) first (``_exp_form``).
+ADDITION_LAWS = {
+    sp.exp: AdditionLaw(1, "exp(g + h) = exp(g)*exp(h): the state is scaled by exp(h' - h)"),
+    sp.sin: AdditionLaw(2, "sin(g + h) = sin(g)*cos(h) + cos(g)*sin(h): the pair (sin, cos) "
+                           "at the anchor rotates by h' - h"),
+    sp.cos: AdditionLaw(2, "cos(g + h) = cos(g)*cos(h) - sin(g)*sin(h): the pair (cos, -sin) "
+                           "at the anchor rotates by h' - h"),
+}
+WAVES = tuple(f for f, law in ADDITION_LAWS.items() if law.rank == 2)
+
 
 @dataclass(frozen=True)
 class Block:
-    """Terms sharing one anchor-only factor ``coeff`` and one exponent anchor part ``beta``."""
+    """Terms sharing one anchor-only factor ``coeff``, one exponent anchor part ``beta`` and
+    one wave phase ``theta`` (0 without waves)."""
 
     coeff: sp.Expr
     beta: sp.Expr
-    terms: tuple[tuple[sp.Expr, sp.Expr], ...]  # (alpha_t(x), P_t(x, a)), P_t polynomial in a
+    terms: tuple[tuple[sp.Expr, sp.Expr, sp.Expr], ...]  # (alpha_t(x), P_t(x, a), W_t(PHASE))
     mask: sp.Basic = sp.true  # the elements the block sums over (a select's leaf)
+    theta: sp.Expr = sp.S.Zero
+
+    @property
+    def quarters(self) -> tuple[int, ...]:
+        """The wave phases each Taylor coefficient needs: W(theta) and W(theta + pi/2)."""
+        return (0, 1) if any(w != 1 for _, _, w in self.terms) else (0,)
 
     def masked(self, value: sp.Expr) -> sp.Expr:
         """``value`` on the block's elements, 0 on the others."""
@@ -45,18 +79,20 @@ class Block:
 
     def reads(self, anchors: set) -> bool:
         """Does the block depend on an anchor (re-anchored, or an anchor factor)?"""
-        free = self.coeff.free_symbols | self.beta.free_symbols
-        for _, poly in self.terms:
+        free = self.coeff.free_symbols | self.beta.free_symbols | self.theta.free_symbols
+        for _, poly, _ in self.terms:
             free |= poly.free_symbols
         return bool(free & anchors)
 
-    def kernel(self, deriv: dict[sp.Symbol, int] | None = None) -> sp.Expr:
-        """sum_t exp(alpha_t + beta) * d^deriv P_t / deriv!  (the Taylor coefficient T_deriv)."""
+    def kernel(self, deriv: dict[sp.Symbol, int] | None = None, quarter: int = 0) -> sp.Expr:
+        """sum_t exp(alpha_t + beta) * d^deriv P_t / deriv! * W_t(theta + quarter*pi/2)
+        (the Taylor coefficient T_deriv; quarter 1 is its wave's partner)."""
         total = sp.S.Zero
-        for alpha, poly in self.terms:
+        phase = self.theta + quarter * sp.pi / 2
+        for alpha, poly, wave in self.terms:
             for a, k in (deriv or {}).items():
                 poly = sp.diff(poly, a, k) / sp.factorial(k)
-            total += _exp(alpha + self.beta) * poly
+            total += _exp(alpha + self.beta) * poly * wave.subs(PHASE, phase)
         return total
 
 
@@ -83,6 +119,12 @@ _WHY = {
     Maximum: "switches branch where the anchor crosses the stream: not separable",
     Minimum: "switches branch where the anchor crosses the stream: not separable",
     sp.exp: "has an exponent that does not split into a stream part plus an anchor part",
+    sp.sin: "has an argument that does not split into a stream part plus an anchor part "
+            "(only sin(g(x) + h(a)) has the rank-2 form sin g cos h + cos g sin h)",
+    sp.cos: "has an argument that does not split into a stream part plus an anchor part "
+            "(only cos(g(x) + h(a)) has the rank-2 form cos g cos h - sin g sin h)",
+    expm1: "is exp(e) - 1, a rank-2 form, but that form cancels exp(e) against the count and "
+           "loses the accuracy near e = 0 that expm1 is for: write exp(...) - 1 to fuse it",
     sp.Pow: "is not a polynomial in the anchor: a power, root or quotient of a stream-and-"
             "anchor expression has no finite-rank G(x)*H(anchor) form",
 }
@@ -127,7 +169,7 @@ def _separable(e: sp.Expr, anchors: set, streams: set) -> bool:
         return all(_separable(a, anchors, streams) for a in e.args)
     if e.is_Pow and e.exp.is_Integer and e.exp > 0:
         return _separable(e.base, anchors, streams)
-    if isinstance(e, sp.exp):
+    if isinstance(e, (sp.exp, *WAVES)):
         return all(not _mixes(t, anchors, streams) for t in sp.Add.make_args(sp.expand(e.args[0])))
     return False
 
@@ -164,25 +206,59 @@ def _split_terms(e: sp.Expr, has_exp) -> list[tuple[sp.Expr, sp.Expr]]:
 
 
 def _split_exponent(expo, anchors, streams, name) -> tuple[sp.Expr, sp.Expr]:
-    alpha, beta = sp.S.Zero, sp.S.Zero
-    for t in sp.Add.make_args(sp.expand(expo)):
+    return _split_argument(sp.exp, expo, anchors, streams, name)
+
+
+def _split_argument(func, arg, anchors, streams, name) -> tuple[sp.Expr, sp.Expr]:
+    """``arg`` of ``func`` (an exp or a wave) as stream part + anchor part (an addition law
+    applies to nothing else)."""
+    stream, anchor = sp.S.Zero, sp.S.Zero
+    for t in sp.Add.make_args(sp.expand(arg)):
         if _mixes(t, anchors, streams):
-            raise NotFusable(name, sp.exp(expo), _WHY[sp.exp])
+            raise NotFusable(name, func(arg), _WHY[func])
         if t.free_symbols & streams:
-            alpha += t
+            stream += t
         else:
-            beta += t
-    return alpha, beta
+            anchor += t
+    return stream, anchor
+
+
+def _exp_form(body: sp.Expr, anchors: set) -> sp.Expr:
+    """b**e with a positive number b and an exponent that reads an anchor, as exp(e*log(b)):
+    the exp addition law then re-anchors it (2**(x - m) is rank 1, like exp)."""
+    return body.replace(
+        lambda e: e.is_Pow and e.base.is_number and e.base.is_positive is True
+        and bool(e.exp.free_symbols & anchors),
+        lambda e: sp.exp(e.exp * sp.log(e.base)))
+
+
+def _is_wave(f: sp.Expr, anchors: set, streams: set) -> bool:
+    """A sin or cos (or a positive integer power of one) that mixes stream and anchors."""
+    base = f.base if f.is_Pow and f.exp.is_Integer and f.exp > 0 else f
+    return isinstance(base, WAVES) and _mixes(base, anchors, streams)
+
+
+def _wave_parts(rest: sp.Expr, anchors: set, streams: set) -> list[sp.Expr]:
+    """``rest`` as a sum of parts holding at most one wave each: products and powers of waves
+    become sums of single waves (product-to-sum, sympy's TR8: sin(u)**2 = 1/2 - cos(2u)/2)."""
+    factors = sp.Mul.make_args(rest)
+    waves = [f for f in factors if _is_wave(f, anchors, streams)]
+    if sum(int(f.exp) if f.is_Pow else 1 for f in waves) <= 1:
+        return [rest]
+    others = sp.Mul(*[f for f in factors if f not in waves])
+    return [others * t for t in sp.Add.make_args(sp.expand(TR8(sp.Mul(*waves))))]
 
 
 def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[Block]:
-    """Decompose a sum body into blocks ``C_b(a) * sum_t exp(alpha_t + beta_b) * P_t``.
+    """Decompose a sum body into blocks ``C_b(a) * sum_t exp(alpha_t + beta_b) * P_t * W_t``.
 
     Examples
     --------
     >>> x, m, d = sp.symbols("x m d", real=True)
     >>> [(b.coeff, b.beta, b.terms) for b in linear_blocks("o", sp.exp(x - m) / d, {m, d}, {x})]
-    [(1/d, -m, ((x, 1),))]
+    [(1/d, -m, ((x, 1, 1),))]
+    >>> [(b.theta, b.quarters) for b in linear_blocks("s", sp.sin(x - m), {m}, {x})]
+    [(m, (0, 1))]
     """
 
     def has_exp(e):
@@ -194,30 +270,36 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[
         return has_exp(e) or (_mixes(e, anchors, streams) and
                               not e.is_polynomial(*(e.free_symbols & anchors)))
 
-    groups: dict[tuple, dict[sp.Expr, sp.Expr]] = {}
-    for mask, leaf in leaves(body):
-        _leaf_blocks(name, leaf, mask, anchors, streams, opens, groups)
-    return [Block(c, b, tuple(t.items()), mask) for (c, b, mask), t in groups.items()]
+    groups: dict[tuple, dict[tuple, sp.Expr]] = {}
+    for mask, leaf in leaves(_exp_form(body, anchors)):
+        for expo, rest in _split_terms(leaf, opens):
+            for part in _wave_parts(rest, anchors, streams):
+                _add_term(name, expo, part, mask, anchors, streams, groups)
+    return [Block(c, b, tuple((a, p, w) for (a, w), p in t.items()), mask, theta)
+            for (c, b, theta, mask), t in groups.items()]
 
 
-def _leaf_blocks(name, leaf, mask, anchors, streams, opens, groups):
-    """Add the blocks of one select-free leaf (summed over the elements of ``mask``)."""
-    for expo, rest in _split_terms(leaf, opens):
-        alpha, beta = _split_exponent(expo, anchors, streams, name)
-        coeff, poly = sp.S.One, sp.S.One
-        if alpha == 0:  # exp of anchors alone: a plain anchor factor, finalize takes it
-            coeff, beta = _exp(beta), sp.S.Zero
-        for f in sp.Mul.make_args(rest):
-            if not f.free_symbols & anchors:
-                poly *= f
-            elif not f.free_symbols & streams:
-                coeff *= f
-            elif f.is_polynomial(*(f.free_symbols & anchors)):
-                poly *= f
-            else:
-                raise NotFusable(name, *culprit(f, anchors, streams))
-        terms = groups.setdefault((coeff, beta, mask), {})
-        terms[alpha] = terms.get(alpha, sp.S.Zero) + poly
+def _add_term(name, expo, rest, mask, anchors, streams, groups):
+    """Add one term exp(expo) * rest of a select-free leaf (summed over the elements of
+    ``mask``) to its block."""
+    alpha, beta = _split_exponent(expo, anchors, streams, name)
+    coeff, poly, wave, theta = sp.S.One, sp.S.One, sp.S.One, sp.S.Zero
+    if alpha == 0:  # exp of anchors alone: a plain anchor factor, finalize takes it
+        coeff, beta = _exp(beta), sp.S.Zero
+    for f in sp.Mul.make_args(rest):
+        if not f.free_symbols & anchors:
+            poly *= f
+        elif not f.free_symbols & streams:
+            coeff *= f
+        elif f.is_polynomial(*(f.free_symbols & anchors)):
+            poly *= f
+        elif _is_wave(f, anchors, streams):  # one per term (``_wave_parts``)
+            gamma, theta = _split_argument(f.func, f.args[0], anchors, streams, name)
+            wave = f.func(gamma + PHASE)
+        else:
+            raise NotFusable(name, *culprit(f, anchors, streams))
+    terms = groups.setdefault((coeff, beta, theta, mask), {})
+    terms[(alpha, wave)] = terms.get((alpha, wave), sp.S.Zero) + poly
 
 
 MAX_RANK = 16  # state sums per block: beyond this a "one pass" costs more than it saves
@@ -225,13 +307,14 @@ MAX_RANK = 16  # state sums per block: beyond this a "one pass" costs more than 
 
 def taylor_indices(name: str, block: Block, anchors: set) -> list[dict[sp.Symbol, int]]:
     """Multi-indices of the nonzero Taylor coefficients of the block in its polynomial anchors."""
-    poly_anchors = sorted({a for _, p in block.terms for a in p.free_symbols & anchors}, key=str)
-    degree = {a: max(sp.degree(p, a) for _, p in block.terms) for a in poly_anchors}
-    size = 1
+    poly_anchors = sorted({a for _, p, _ in block.terms for a in p.free_symbols & anchors},
+                          key=str)
+    degree = {a: max(sp.degree(p, a) for _, p, _ in block.terms) for a in poly_anchors}
+    size = len(block.quarters)
     for a in poly_anchors:
         size *= degree[a] + 1
     if size > MAX_RANK:
-        culprit_term = max((p for _, p in block.terms), key=lambda p: sp.count_ops(p))
+        culprit_term = max((p for _, p, _ in block.terms), key=lambda p: sp.count_ops(p))
         raise NotFusable(name, culprit_term, f"needs {size} state sums to re-anchor (degrees "
                          f"{degree} in the anchors), more than the limit of {MAX_RANK}")
     out = []

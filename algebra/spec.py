@@ -18,6 +18,7 @@ import sympy as sp
 from .errors import SpecError
 from .functions import COMPARISONS, CONNECTIVES, FUNCTIONS, Dot
 from .laws import LAWS
+from .names import fresh, spec_names
 from .selects import MAX_CONDITIONS, conditions, lift
 
 INDEX, LENGTH = "i", "N"  # the stream index and the stream length
@@ -25,6 +26,7 @@ N = sp.Symbol(LENGTH, positive=True, integer=True)
 POSITION = sp.Symbol(INDEX, nonnegative=True, integer=True)
 CONSTANTS = {"pi": sp.pi, "inf": sp.oo}
 OUT = "out"  # kernels take their preallocated outputs as out=: no input may be named so
+COUNT_BASE = "n"  # the running count of elements: n, unless the spec itself uses that name
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,17 @@ class Cascade:
     elementwise: dict[str, sp.Expr]  # per-element output -> expression over streams/results
     outputs: tuple[str, ...]  # spec order
     shapes: dict[str, Shape] = field(default_factory=dict)
+    names: frozenset[str] = frozenset()  # every name the spec spells (and its hidden results)
+
+    @property
+    def count(self) -> sp.Symbol:
+        """The running count of elements folded into a state (N at the end), named fresh
+        against the spec's names."""
+        return sp.Symbol(fresh(COUNT_BASE, set(self.names)), integer=True, nonnegative=True)
+
+    def taken(self) -> set[str]:
+        """The names no invented state column may take: the spec's and the count's."""
+        return set(self.names) | {self.count.name}
 
     @property
     def results(self) -> dict[str, sp.Symbol]:
@@ -126,6 +139,9 @@ class _Lifter:
         self.in_body: ast.AST | None = None  # the reduction call whose body is being lifted
         self.read: set[str] = set()  # assigned names read by a later statement
         self.target = ""
+        # hidden results are named fresh against every name the text spells, also the inputs
+        # it only reads later (t = max(x[i]) + t_max)
+        self.names = spec_names(tree, [INDEX, LENGTH, OUT, *CONSTANTS])
 
     def run(self) -> Cascade:
         for stmt in self.tree.body:
@@ -134,7 +150,8 @@ class _Lifter:
         streams = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "stream")
         params = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "param")
         return Cascade(self.text, streams, params, frozenset(self.vector), tuple(self.reductions),
-                       self.epilogues, self.elementwise, tuple(self.outputs), self.shapes)
+                       self.epilogues, self.elementwise, tuple(self.outputs), self.shapes,
+                       frozenset(self.names))
 
     def check(self):
         """Whole-spec checks, once every feature axis is known."""
@@ -398,13 +415,7 @@ class _Lifter:
         return {sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "stream"}
 
     def _hidden_name(self, op: str) -> str:
-        base = f"{self.target}_{op}"
-        taken = {r.name for r in self.reductions} | set(self.assigned)
-        name, n = base, 1
-        while name in taken:
-            n += 1
-            name = f"{base}{n}"
-        return name
+        return fresh(f"{self.target}_{op}", self.names)
 
 
 def _undefined(value: sp.Expr) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .components import COUNT, LinearComponent, primed
+from .components import LinearComponent, primed
 from .prove import Obligation
 from .spec import INDEX, Cascade
 
@@ -67,9 +67,9 @@ def _first_stash(name: str, expr: sp.Expr, components, varying: set) -> Stash | 
         if not isinstance(comp, LinearComponent) or not comp.anchors:
             continue  # without an anchor the basis is the plain element: nothing to save
         at_tile = {a: tile_anchor(a) for a in comp.anchors}
-        for column, (col, psi) in enumerate(zip(comp.columns, comp.basis, strict=True)):
+        for column, psi in enumerate(comp.basis):
             psi_t = psi.subs(at_tile, simultaneous=True)
-            if col == COUNT or not ({s.name for s in psi_t.free_symbols} & varying):
+            if comp.counts(column) or not ({s.name for s in psi_t.free_symbols} & varying):
                 continue
             factor = sp.powsimp(sp.simplify(expr / psi_t))
             if {s.name for s in factor.free_symbols} & varying or factor.has(sp.zoo, sp.nan):
