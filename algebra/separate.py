@@ -130,6 +130,14 @@ _WHY = {
 }
 
 
+_NUMBER_BASE = {  # is the base 0?  (a positive base was rewritten exp(e*log(b)) and fused)
+    False: "is a power of a negative number with an exponent that varies: it is not a real "
+           "number between integer exponents (numpy gives NaN), so no real state can hold it",
+    True: "is a power of 0: 0, 1 or inf as the exponent's sign changes, piecewise constant, "
+          "so no identity re-anchors it",
+}
+
+
 def check_selects(name: str, body: sp.Expr, anchors: set, family: str):
     """Refuse the selects no law separates: a condition that reads an anchor (which elements
     are selected would change whenever the anchor moves, so no state of the elements seen so
@@ -179,6 +187,8 @@ def culprit(e: sp.Expr, anchors: set, streams: set) -> tuple[sp.Expr, str]:
     for arg in e.args:
         if not _separable(arg, anchors, streams):
             return culprit(arg, anchors, streams)
+    if e.is_Pow and e.base.is_number:  # b > 0 was rewritten exp(e*log(b)) and separated
+        return e, _NUMBER_BASE[bool(e.base.is_zero)]
     why = next((w for cls, w in _WHY.items() if isinstance(e, cls)),
                f"({type(e).__name__} of a stream-and-anchor expression) is not separable: "
                "it has no finite-rank G(x)*H(anchor) form")
@@ -238,15 +248,36 @@ def _is_wave(f: sp.Expr, anchors: set, streams: set) -> bool:
     return isinstance(base, WAVES) and _mixes(base, anchors, streams)
 
 
-def _wave_parts(rest: sp.Expr, anchors: set, streams: set) -> list[sp.Expr]:
+MAX_WAVE_DEGREE = 8  # waves multiplied in one term: sin(u)**8 is already 5 rotating pairs
+
+
+def _wave_degree(part: sp.Expr, anchors: set, streams: set) -> tuple[int, list[sp.Expr]]:
+    waves = [f for f in sp.Mul.make_args(part) if _is_wave(f, anchors, streams)]
+    return sum(int(f.exp) if f.is_Pow else 1 for f in waves), waves
+
+
+def _wave_parts(name: str, rest: sp.Expr, anchors: set, streams: set) -> list[sp.Expr]:
     """``rest`` as a sum of parts holding at most one wave each: products and powers of waves
-    become sums of single waves (product-to-sum, sympy's TR8: sin(u)**2 = 1/2 - cos(2u)/2)."""
-    factors = sp.Mul.make_args(rest)
-    waves = [f for f in factors if _is_wave(f, anchors, streams)]
-    if sum(int(f.exp) if f.is_Pow else 1 for f in waves) <= 1:
-        return [rest]
-    others = sp.Mul(*[f for f in factors if f not in waves])
-    return [others * t for t in sp.Add.make_args(sp.expand(TR8(sp.Mul(*waves))))]
+    become sums of single waves (product-to-sum, sympy's TR8: sin(u)**2 = 1/2 - cos(2u)/2),
+    repeated until every part has one (TR8 leaves (1 - cos(2u))**2 * sin(u) of sin(u)**5)."""
+    todo, out = [rest], []
+    while todo:
+        part = todo.pop()
+        degree, waves = _wave_degree(part, anchors, streams)
+        if degree <= 1:
+            out.append(part)
+            continue
+        if degree > MAX_WAVE_DEGREE:
+            raise NotFusable(name, sp.Mul(*waves), f"multiplies {degree} waves: product-to-sum "
+                             f"gives about {degree // 2 + 1} frequencies, each a rotating pair "
+                             f"of state sums; more than the limit of {MAX_WAVE_DEGREE} waves")
+        others = sp.Mul(*[f for f in sp.Mul.make_args(part) if f not in waves])
+        for t in sp.Add.make_args(sp.expand(TR8(sp.Mul(*waves)))):
+            if _wave_degree(t, anchors, streams)[0] >= degree:  # no progress: never loop
+                raise NotFusable(name, sp.Mul(*waves), "is a product of waves that product-"
+                                 "to-sum does not reduce to single waves")
+            todo.append(others * t)
+    return out
 
 
 def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[Block]:
@@ -273,7 +304,7 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[
     groups: dict[tuple, dict[tuple, sp.Expr]] = {}
     for mask, leaf in leaves(_exp_form(body, anchors)):
         for expo, rest in _split_terms(leaf, opens):
-            for part in _wave_parts(rest, anchors, streams):
+            for part in _wave_parts(name, rest, anchors, streams):
                 _add_term(name, expo, part, mask, anchors, streams, groups)
     return [Block(c, b, tuple((a, p, w) for (a, w), p in t.items()), mask, theta)
             for (c, b, theta, mask), t in groups.items()]
@@ -364,7 +395,7 @@ def monotone_core(name: str, body: sp.Expr, anchors: set, streams: set):
 def multiplicative_split(name: str, body: sp.Expr, anchors: set, streams: set):
     """Write ``body = C(a) * G(x)`` (exp factors split in their exponent); else NotFusable."""
     coeff, rest = sp.S.One, sp.S.One
-    for f in sp.Mul.make_args(sp.powsimp(body)):
+    for f in sp.Mul.make_args(sp.powsimp(_exp_form(body, anchors))):  # 2**(x - m) splits too
         if isinstance(f, sp.exp) and _mixes(f, anchors, streams):
             alpha, beta = _split_exponent(f.args[0], anchors, streams, name)
             coeff, rest = coeff * sp.exp(beta), rest * sp.exp(alpha)
