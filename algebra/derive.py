@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from .addition import ADDITION_LAWS, rotation
 from .components import (
     Component,
     LinearComponent,
@@ -28,7 +29,6 @@ from .names import fresh
 from .prove import Obligation
 from .selects import masked
 from .separate import (
-    ADDITION_LAWS,
     Block,
     check_selects,
     linear_blocks,
@@ -185,16 +185,6 @@ def _content(t: sp.Expr, streams: set) -> tuple[sp.Expr, sp.Expr]:
     return (-c, -psi) if negative else (c, psi)
 
 
-def _rotation(block: Block, new: dict) -> list[list[sp.Expr]]:
-    """How the block's waves move with the anchors (``separate.ADDITION_LAWS``):
-    W(theta' + q*pi/2) = sum_p R[q][p] * W(theta + p*pi/2), R the rotation by theta' - theta."""
-    if block.quarters == (0,):
-        return [[sp.S.One]]
-    delta = sp.expand(block.theta.subs(new, simultaneous=True) - block.theta)
-    cos, sin = sp.cos(delta), sp.sin(delta)
-    return [[cos, sin], [-sin, cos]]
-
-
 def _block_columns(name: str, block: Block, anchors: set, streams: set):
     """State columns of one block: the Taylor coefficients T_gq = c_gq * psi_gq (q = 1: the
     wave's partner), and the matrix T_gq(a') = exp(beta(a') - beta(a)) *
@@ -203,7 +193,7 @@ def _block_columns(name: str, block: Block, anchors: set, streams: set):
     theirs, and the entries into it add up."""
     new = {a: primed(a) for a in anchors}
     scale = sp.exp(sp.expand(block.beta.subs(new, simultaneous=True) - block.beta))
-    rot = _rotation(block, new)
+    rot = rotation(block.theta, new, block.quarters != (0,))
     content, column, psis = {}, {}, []
     for g in taylor_indices(name, block, anchors):
         for q in block.quarters:

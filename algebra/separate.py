@@ -8,8 +8,8 @@ Three analyses, one per algebraic family of ``laws.LAWS``:
   (sin, cos, or none).  The exponential keeps its anchor part (that is what keeps exp() in
   range); the polynomial keeps its shifted form (that is what keeps variance stable); the
   wave keeps its phase (sin(x - m), not sin x cos m - cos x sin m, stays exact near x = m).
-  ``ADDITION_LAWS`` is the table of the functions of a stream part plus an anchor part that
-  split this way, with the identity each relies on.
+  ``algebra.addition.ADDITION_LAWS`` is the table of the functions of a stream part plus an
+  anchor part that split this way, with the identity each relies on.
 - ``monotone_core`` (max/min/arg*/topk): body = F(g(x), a) for one anchor-free g.
 - ``multiplicative_split`` (prod): body = C(a) * G(x).
 
@@ -28,33 +28,11 @@ from itertools import product
 
 import sympy as sp
 from sympy.codegen.cfunctions import expm1
-from sympy.simplify.fu import TR8
 
+from .addition import PHASE, WAVES, exp_form, is_wave, mixes, wave_parts
 from .errors import NotFusable
 from .functions import Maximum, Minimum, Relu, Round
 from .selects import conditions, has_select, leaves, masked
-
-PHASE = sp.Dummy("phase", real=True)  # the anchor part theta(a) inside a block's waves
-
-
-@dataclass(frozen=True)
-class AdditionLaw:
-    """How f(g(x) + h(a)) splits into stream functions times anchor functions."""
-
-    rank: int  # state sums per Taylor coefficient (1: a scale, 2: a rotating pair)
-    identity: str  # the theorem the re-anchoring matrix and its proof obligations rest on
-
-
-# Functions of a stream part plus an anchor part with a finite-rank form: data, not branches.
-# b**e (b > 0 a number) is rewritten exp(e*log(b)) first (``_exp_form``).
-ADDITION_LAWS = {
-    sp.exp: AdditionLaw(1, "exp(g + h) = exp(g)*exp(h): the state is scaled by exp(h' - h)"),
-    sp.sin: AdditionLaw(2, "sin(g + h) = sin(g)*cos(h) + cos(g)*sin(h): the pair (sin, cos) "
-                           "at the anchor rotates by h' - h"),
-    sp.cos: AdditionLaw(2, "cos(g + h) = cos(g)*cos(h) - sin(g)*sin(h): the pair (cos, -sin) "
-                           "at the anchor rotates by h' - h"),
-}
-WAVES = tuple(f for f, law in ADDITION_LAWS.items() if law.rank == 2)
 
 
 @dataclass(frozen=True)
@@ -98,11 +76,6 @@ class Block:
 
 def _exp(e: sp.Expr) -> sp.Expr:
     return sp.S.One if e == 0 else sp.exp(e)
-
-
-def _mixes(e: sp.Expr, anchors: set, streams: set) -> bool:
-    free = e.free_symbols
-    return bool(free & anchors) and bool(free & streams)
 
 
 # Why each kind of node blocks separation, keyed by sympy class: data, not branches.
@@ -171,14 +144,14 @@ def check_selects(name: str, body: sp.Expr, anchors: set, family: str):
 def _separable(e: sp.Expr, anchors: set, streams: set) -> bool:
     """True when e is built from stream-only and anchor-only parts by +, *, positive integer
     powers, polynomials in the anchors and exponentials of separable exponents."""
-    if not _mixes(e, anchors, streams) or e.is_polynomial(*(e.free_symbols & anchors)):
+    if not mixes(e, anchors, streams) or e.is_polynomial(*(e.free_symbols & anchors)):
         return True
     if e.is_Add or e.is_Mul:
         return all(_separable(a, anchors, streams) for a in e.args)
     if e.is_Pow and e.exp.is_Integer and e.exp > 0:
         return _separable(e.base, anchors, streams)
     if isinstance(e, (sp.exp, *WAVES)):
-        return all(not _mixes(t, anchors, streams) for t in sp.Add.make_args(sp.expand(e.args[0])))
+        return all(not mixes(t, anchors, streams) for t in sp.Add.make_args(sp.expand(e.args[0])))
     return False
 
 
@@ -224,60 +197,13 @@ def _split_argument(func, arg, anchors, streams, name) -> tuple[sp.Expr, sp.Expr
     applies to nothing else)."""
     stream, anchor = sp.S.Zero, sp.S.Zero
     for t in sp.Add.make_args(sp.expand(arg)):
-        if _mixes(t, anchors, streams):
+        if mixes(t, anchors, streams):
             raise NotFusable(name, func(arg), _WHY[func])
         if t.free_symbols & streams:
             stream += t
         else:
             anchor += t
     return stream, anchor
-
-
-def _exp_form(body: sp.Expr, anchors: set) -> sp.Expr:
-    """b**e with a positive number b and an exponent that reads an anchor, as exp(e*log(b)):
-    the exp addition law then re-anchors it (2**(x - m) is rank 1, like exp)."""
-    return body.replace(
-        lambda e: e.is_Pow and e.base.is_number and e.base.is_positive is True
-        and bool(e.exp.free_symbols & anchors),
-        lambda e: sp.exp(e.exp * sp.log(e.base)))
-
-
-def _is_wave(f: sp.Expr, anchors: set, streams: set) -> bool:
-    """A sin or cos (or a positive integer power of one) that mixes stream and anchors."""
-    base = f.base if f.is_Pow and f.exp.is_Integer and f.exp > 0 else f
-    return isinstance(base, WAVES) and _mixes(base, anchors, streams)
-
-
-MAX_WAVE_DEGREE = 8  # waves multiplied in one term: sin(u)**8 is already 5 rotating pairs
-
-
-def _wave_degree(part: sp.Expr, anchors: set, streams: set) -> tuple[int, list[sp.Expr]]:
-    waves = [f for f in sp.Mul.make_args(part) if _is_wave(f, anchors, streams)]
-    return sum(int(f.exp) if f.is_Pow else 1 for f in waves), waves
-
-
-def _wave_parts(name: str, rest: sp.Expr, anchors: set, streams: set) -> list[sp.Expr]:
-    """``rest`` as a sum of parts holding at most one wave each: products and powers of waves
-    become sums of single waves (product-to-sum, sympy's TR8: sin(u)**2 = 1/2 - cos(2u)/2),
-    repeated until every part has one (TR8 leaves (1 - cos(2u))**2 * sin(u) of sin(u)**5)."""
-    todo, out = [rest], []
-    while todo:
-        part = todo.pop()
-        degree, waves = _wave_degree(part, anchors, streams)
-        if degree <= 1:
-            out.append(part)
-            continue
-        if degree > MAX_WAVE_DEGREE:
-            raise NotFusable(name, sp.Mul(*waves), f"multiplies {degree} waves: product-to-sum "
-                             f"gives about {degree // 2 + 1} frequencies, each a rotating pair "
-                             f"of state sums; more than the limit of {MAX_WAVE_DEGREE} waves")
-        others = sp.Mul(*[f for f in sp.Mul.make_args(part) if f not in waves])
-        for t in sp.Add.make_args(sp.expand(TR8(sp.Mul(*waves)))):
-            if _wave_degree(t, anchors, streams)[0] >= degree:  # no progress: never loop
-                raise NotFusable(name, sp.Mul(*waves), "is a product of waves that product-"
-                                 "to-sum does not reduce to single waves")
-            todo.append(others * t)
-    return out
 
 
 def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[Block]:
@@ -293,18 +219,18 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[
     """
 
     def has_exp(e):
-        return any(_mixes(f, anchors, streams) or f.free_symbols & anchors
+        return any(mixes(f, anchors, streams) or f.free_symbols & anchors
                    for f in e.atoms(sp.exp))
 
     def opens(e):  # sums holding an exp, and products whose anchors are not polynomial:
         # (b + g*(x - mean)/sqrt(var)) * w distributes into separable terms
-        return has_exp(e) or (_mixes(e, anchors, streams) and
+        return has_exp(e) or (mixes(e, anchors, streams) and
                               not e.is_polynomial(*(e.free_symbols & anchors)))
 
     groups: dict[tuple, dict[tuple, sp.Expr]] = {}
-    for mask, leaf in leaves(_exp_form(body, anchors)):
+    for mask, leaf in leaves(exp_form(body, anchors)):
         for expo, rest in _split_terms(leaf, opens):
-            for part in _wave_parts(name, rest, anchors, streams):
+            for part in wave_parts(name, rest, anchors, streams):
                 _add_term(name, expo, part, mask, anchors, streams, groups)
     return [Block(c, b, tuple((a, p, w) for (a, w), p in t.items()), mask, theta)
             for (c, b, theta, mask), t in groups.items()]
@@ -324,7 +250,7 @@ def _add_term(name, expo, rest, mask, anchors, streams, groups):
             coeff *= f
         elif f.is_polynomial(*(f.free_symbols & anchors)):
             poly *= f
-        elif _is_wave(f, anchors, streams):  # one per term (``_wave_parts``)
+        elif is_wave(f, anchors, streams):  # one per term (``_wave_parts``)
             gamma, theta = _split_argument(f.func, f.args[0], anchors, streams, name)
             wave = f.func(gamma + PHASE)
         else:
@@ -395,8 +321,8 @@ def monotone_core(name: str, body: sp.Expr, anchors: set, streams: set):
 def multiplicative_split(name: str, body: sp.Expr, anchors: set, streams: set):
     """Write ``body = C(a) * G(x)`` (exp factors split in their exponent); else NotFusable."""
     coeff, rest = sp.S.One, sp.S.One
-    for f in sp.Mul.make_args(sp.powsimp(_exp_form(body, anchors))):  # 2**(x - m) splits too
-        if isinstance(f, sp.exp) and _mixes(f, anchors, streams):
+    for f in sp.Mul.make_args(sp.powsimp(exp_form(body, anchors))):  # 2**(x - m) splits too
+        if isinstance(f, sp.exp) and mixes(f, anchors, streams):
             alpha, beta = _split_exponent(f.args[0], anchors, streams, name)
             coeff, rest = coeff * sp.exp(beta), rest * sp.exp(alpha)
         elif not f.free_symbols & anchors:

@@ -39,8 +39,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import redfuser
+from algebra.addition import ADDITION_LAWS, MAX_WAVE_DEGREE
 from algebra.components import LinearComponent
-from algebra.separate import ADDITION_LAWS, MAX_WAVE_DEGREE
 from redfuser.lowering.texpr import to_tir
 from redfuser.tvm_adapter import tirx
 
