@@ -21,6 +21,8 @@ Tolerances (float32 eps = 1.19e-7, N <= 12, |x| <= 8 for waves):
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import sympy as sp
@@ -42,7 +44,7 @@ import redfuser
 from algebra.addition import ADDITION_LAWS, MAX_WAVE_DEGREE
 from algebra.components import LinearComponent
 from redfuser.lowering.texpr import to_tir
-from redfuser.tvm_adapter import tirx
+from redfuser.tvm_adapter import nvcc_compile, tirx
 
 RTOL = 1e-4
 NEG_INF = -np.inf
@@ -202,3 +204,15 @@ def test_count_in_a_finalize_exponent_lowers(spec, exponent, variant):
     for name in ref:
         # a power of a float32 sum: relative error ~ |exponent| * N * eps, exponent <= 17
         assert_matches(out[name], ref[name], 17 * 11 * 4 * EPS32, 0, name)
+
+
+def _nvcc():
+    return shutil.which("nvcc")
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc is not on PATH: CUDA compile check skipped")
+@pytest.mark.parametrize("spec", [SIN, POW2, "s = sum(x[i]) / N; p = prod(x[i] / s)"])
+def test_cuda_source_of_the_new_laws_compiles_for_sm90(spec):
+    kernel = redfuser.compile(spec, target="cuda")
+    kernel.prepare(x=np.ones((4, 300), np.float32))
+    assert b".target sm_90" in nvcc_compile(kernel.cuda_source(), arch="sm_90")

@@ -13,6 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import sympy as sp
+from conftest import rule_for, schedules
+from hypothesis import given
+from hypothesis import strategies as st
 
 import redfuser
 from algebra.spec import parse
@@ -89,3 +92,23 @@ def test_hidden_results_are_fresh_against_names_read_later():
     cascade = parse("t = max(x[i]) + t_max + max(y[i])")
     assert [r.name for r in cascade.reductions] == ["t_max_", "t_max__"]
     assert {p.name for p in cascade.params} == {"t_max"}
+
+
+# names the engine would invent for the template below (count, columns, hidden, proof points)
+ENGINE_LIKE = ("n", "n_", "u", "d", "d_1", "d_2", "d_count", "m_0", "m_1", "m_2", "v_sum",
+               "v_sum_1", "v_sum_2", "j_best", "t_max", "m_L")
+
+
+@given(names=st.permutations(ENGINE_LIKE), sched=schedules(6))
+def test_any_engine_like_names_compute_the_numpy_truth(names, sched):
+    """Results, parameters and outputs named like engine names, in any combination."""
+    d, p, q, j = names[:4]
+    spec = (f"m = max(x[i]); {d} = sum(exp(x[i] - m)); {j} = argmax(x[i] * {p}); "
+            f"v = sum((x[i] - {d} / N)**2 * {p}) / N + {q}")
+    inputs = {"x": X[:, :6], p: 2.0, q: 100.0}
+    out = rule_for(spec).evaluate(inputs, chunks=sched[0], tree=sched[1])
+    x = X64[:, :6]
+    dv = np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)
+    np.testing.assert_allclose(out[d], dv[:, 0], rtol=1e-5)
+    np.testing.assert_array_equal(out[j], x.argmax(-1))
+    np.testing.assert_allclose(out["v"], ((x - dv / 6) ** 2 * 2).mean(-1) + 100, rtol=1e-5)
