@@ -91,7 +91,8 @@ class FusionRule:
         out = []
         for n, s in self.stashes.items():
             psi = self.components[s.component].basis[s.column]
-            at_tile = {a: tile_anchor(a) for a in self.components[s.component].anchors}
+            at_tile = {a: tile_anchor(a, self.cascade)
+                       for a in self.components[s.component].anchors}
             anchors = ", ".join(map(str, at_tile.values()))
             out.append((f"{n}[{INDEX}]", f"({psi.subs(at_tile)}) * ({s.factor})    # the pass "
                         f"writes the first factor, at its anchors {anchors}"))

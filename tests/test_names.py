@@ -112,3 +112,16 @@ def test_any_engine_like_names_compute_the_numpy_truth(names, sched):
     np.testing.assert_allclose(out[d], dv[:, 0], rtol=1e-5)
     np.testing.assert_array_equal(out[j], x.argmax(-1))
     np.testing.assert_allclose(out["v"], ((x - dv / 6) ** 2 * 2).mean(-1) + 100, rtol=1e-5)
+
+
+def test_stash_tile_anchor_is_fresh_against_a_parameter_named_like_it():
+    spec = "m = max(x[i]); d = sum(exp(x[i] - m)); y[i] = exp(x[i] - m) / d * m_t"
+    rule = redfuser.derive(spec)
+    stash = rule.stashes["y"]
+    assert {s.name for s in stash.factor.free_symbols} == {"m", "m_t", "m_t_", "d"}
+    assert stash.obligation.check()
+    x = np.random.default_rng(1).normal(size=(3, 500)).astype(np.float32)
+    e = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+    truth = e / e.sum(-1, keepdims=True) * 5
+    out = redfuser.compile(rule)(x=x, m_t=5.0)["y"]
+    np.testing.assert_allclose(out, truth, rtol=1e-5, atol=1e-7)

@@ -420,7 +420,7 @@ class Emitter(SelectSteps, SettleSteps):
         """Bind the anchors the stashed values were written at (lane 0's working anchors,
         before anything folded later moves them)."""
         comps = [c for c in self.rule.components if id(c) in self.stashed]
-        self.stash_anchors = {tile_anchor(a): T.bind(st.get(work(a.name), 0))
+        self.stash_anchors = {tile_anchor(a, self.rule.cascade): T.bind(st.get(work(a.name), 0))
                               for c in comps for a in c.anchors}
 
     def _per_row(self, expr: sp.Expr, r, varying: frozenset = frozenset(), known=None):
