@@ -28,7 +28,7 @@ TILE_MARK = "_t"  # m_t: the anchor m at a tile
 @dataclass(frozen=True)
 class Stash:
     """Output ``output`` = (basis ``column`` of component ``component`` at the tile anchors)
-    times ``factor``, which reads the tile anchors (``tile_anchor(a)``) and the results."""
+    times ``factor``, which reads the tile anchors (``tile_anchor``) and the results."""
 
     output: str
     component: int  # position in ``FusionRule.components``
