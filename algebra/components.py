@@ -35,8 +35,7 @@ from .numeric import compile_expr
 from .prove import Obligation
 from .spec import Reduction
 
-COUNT = sp.Symbol("n", integer=True, nonnegative=True)  # elements folded into the state
-U = sp.Symbol("u", real=True)  # the stream quantity g(x) inside F(g, a)
+U = sp.Dummy("u", real=True)  # the stream quantity g(x) inside F(g, a): no spec name is it
 INDEX_SENTINEL = np.iinfo(np.int64).max  # "no index yet": loses every tie
 INDEX_KEY = "#i"  # the element's integer position in the element environment
 
@@ -116,16 +115,21 @@ class Component:
 class LinearComponent(Component):
     """sum: state = sums of basis functions at the running anchor, re-anchored by a matrix."""
 
-    columns: tuple[sp.Symbol, ...] = ()  # state symbols, COUNT included when a column is 1
+    columns: tuple[sp.Symbol, ...] = ()  # state symbols, the rule's count when a column is 1
     basis: tuple[sp.Expr, ...] = ()  # psi_k(x, a) for each column
     matrix: sp.Matrix = field(default_factory=lambda: sp.Matrix())  # A(a, a') over columns
 
+    def counts(self, r: int) -> bool:
+        """Is column r the rule's count of elements (basis 1)?  Its row is the count's
+        business (the rule keeps one count for every component)."""
+        return self.basis[r] == 1
+
     def update_lines(self) -> list[tuple[sp.Expr, sp.Expr]]:
-        """S' = A(a, a') S + psi(x, a')  (COUNT's own row is the count's business)."""
+        """S' = A(a, a') S + psi(x, a')  (the count's own row is the rule's business)."""
         new = {a: primed(a) for a in self.anchors}
         rows = self.matrix * sp.Matrix(self.columns)
         return [(primed(c), rows[r] + self.basis[r].subs(new, simultaneous=True))
-                for r, c in enumerate(self.columns) if c != COUNT]
+                for r, c in enumerate(self.columns) if not self.counts(r)]
 
     def merge_lines(self) -> list[tuple[sp.Expr, sp.Expr]]:
         """S = A(a_L, a) S_L + A(a_R, a) S_R."""
@@ -136,7 +140,8 @@ class LinearComponent(Component):
                    **{c: primed(c, side) for c in self.columns}}
             out.append(self.matrix.subs(sub, simultaneous=True)
                        * sp.Matrix([sub[c] for c in self.columns]))
-        return [(c, out[0][r] + out[1][r]) for r, c in enumerate(self.columns) if c != COUNT]
+        return [(c, out[0][r] + out[1][r]) for r, c in enumerate(self.columns)
+                if not self.counts(r)]
 
     def _program(self):
         entries = [(r, k, compile_expr(v)) for r in range(len(self.columns))
@@ -161,17 +166,20 @@ class LinearComponent(Component):
         moved = self._reanchor(old, a_old, a_new, dt)
         env = {**elem, **a_new}
         for r, c in enumerate(self.columns):
-            if c != COUNT:
+            if not self.counts(r):
                 new[c.name] = moved[r] + basis[r](env, dt)
 
     def shift_degrees(self) -> dict[tuple[int, int], int]:
-        """Degree of each matrix entry in the anchor shift t = a' - a (exp factors aside)."""
+        """Degree of each matrix entry in the anchor shift t = a' - a (exp and wave factors
+        aside: they are no powers of t)."""
         t = sp.Dummy("t")
         shift = {primed(a): a + t for a in self.anchors}
         out = {}
         for r in range(len(self.columns)):
             for k, v in enumerate(self.matrix.row(r)):
-                poly = v.subs(shift).replace(sp.exp, lambda *_: sp.S.One)
+                for bounded in (sp.exp, sp.sin, sp.cos):  # factors, not powers of the shift
+                    v = v.replace(bounded, lambda *_: sp.S.One)
+                poly = v.subs(shift)
                 out[(r, k)] = sp.Poly(sp.expand(poly), t).degree() if v != 0 else -1
         return out
 
@@ -191,7 +199,7 @@ class LinearComponent(Component):
             rows.setdefault(r, []).append((degree[(r, k)], np.asarray(entry(env, dt)) * s_k,
                                            s_k != 0))
         for r, c in enumerate(self.columns):
-            if c == COUNT or r not in rows:
+            if self.counts(r) or r not in rows:
                 continue
             full = sum(term for _, term, _ in rows[r])
             top = np.max([np.where(nz, d, -1) for d, _, nz in rows[r]], axis=0)
@@ -202,7 +210,7 @@ class LinearComponent(Component):
         from_l = self._reanchor(left, a_left, a_out, dt)
         from_r = self._reanchor(right, a_right, a_out, dt)
         for r, c in enumerate(self.columns):
-            if c != COUNT:
+            if not self.counts(r):
                 out[c.name] = from_l[r] + from_r[r]
 
 

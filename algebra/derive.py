@@ -8,10 +8,12 @@ obligations it relies on; ``prove`` (stage 5) checks them before a rule exists.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import sympy as sp
 
+from .addition import ADDITION_LAWS, rotation
 from .components import (
-    COUNT,
     Component,
     LinearComponent,
     ProductComponent,
@@ -24,6 +26,7 @@ from .errors import NotFusable
 from .functions import Where
 from .laws import LAWS
 from .limits import charged_to
+from .names import fresh
 from .prove import Obligation
 from .selects import masked
 from .separate import (
@@ -37,15 +40,28 @@ from .separate import (
 from .spec import POSITION, Cascade, N, Reduction
 
 
+@dataclass(frozen=True)
+class Names:
+    """What a construction needs to name its state: the count, and the names already taken
+    (the spec's and every name invented so far), which new names are made fresh against."""
+
+    count: sp.Symbol
+    taken: set[str]
+
+    def symbol(self, base: str, **assumptions) -> sp.Symbol:
+        return sp.Symbol(fresh(base, self.taken), **assumptions)
+
+
 def derive_components(cascade: Cascade) -> tuple[Component, ...]:
     """Fused components of every reduction, in dependence order."""
     streams = set(cascade.streams) | {POSITION}
     family = {"linear": _linear, "selecting": _select, "multiplicative": _product}
+    names = Names(cascade.count, cascade.taken())
     out = []
     for r in cascade.reductions:
         with charged_to(r):  # the time budget (limits) running out here is r's NotFusable
             check_selects(r.name, r.body, set(r.anchors), LAWS[r.op].family)
-            out.append(family[LAWS[r.op].family](r, set(r.anchors), streams))
+            out.append(family[LAWS[r.op].family](r, set(r.anchors), streams, names))
     return tuple(out)
 
 
@@ -56,31 +72,33 @@ def running_values(cascade: Cascade, components) -> dict[str, sp.Expr]:
     so far instead of N keeps a running mean equal to the mean of what was seen,
     which is what keeps the anchored sums small (Welford/Chan).  At the end n = N.
     """
-    results = cascade.results
+    results, count = cascade.results, cascade.count
     out: dict[str, sp.Expr] = {}
     for comp in components:
         name = comp.reduction.name
-        out[name] = comp.finalize.subs({N: COUNT}).subs(
+        out[name] = comp.finalize.subs({N: count}).subs(
             {a: out[a.name] for a in comp.anchors}, simultaneous=True)
         for epi, expr in cascade.epilogues.items():
             if epi not in out and expr.free_symbols & set(results.values()) <= {
                     results[k] for k in out}:
-                out[epi] = expr.subs({N: COUNT}).subs(
+                out[epi] = expr.subs({N: count}).subs(
                     {results[k]: v for k, v in out.items()}, simultaneous=True)
     return out
 
 
 # Step 1. sum: finite-rank re-anchoring -------------------------------------------------
-def _linear(r: Reduction, anchors: set, streams: set) -> LinearComponent:
+def _linear(r: Reduction, anchors: set, streams: set, names: Names) -> LinearComponent:
     # a block whose terms cancel contributes nothing (sum(x - x) is a sum of zeros)
     blocks = [b for b in linear_blocks(r.name, r.body, anchors, streams) if b.kernel() != 0]
-    taken: set[str] = set()
     columns: list[sp.Symbol] = []
     basis: list[sp.Expr] = []
     entries: dict[tuple[sp.Symbol, sp.Symbol], sp.Expr] = {}
     finalize = sp.S.Zero
     for block in blocks:
-        cols, psis, matrix, c0 = _block_columns(r.name, block, anchors, streams, taken)
+        psis, matrix, c0 = _block_columns(r.name, block, anchors, streams)
+        cols: list[sp.Symbol] = []
+        for psi in psis:
+            cols.append(_column(r.name, psi, len(columns) + len(cols), names))
         for (ci, cj), v in matrix.items():
             entries[(cols[ci], cols[cj])] = v
         for c, psi in zip(cols, psis, strict=True):
@@ -92,7 +110,7 @@ def _linear(r: Reduction, anchors: set, streams: set) -> LinearComponent:
             # an empty selection sums to exactly 0 whatever the anchors; the state alone cannot
             # tell it from elements at a non-finite anchor (exp(-inf - -inf) is NaN), so a count
             # of the selected elements decides at finalize
-            count = _count_column(r.name, block.mask, columns, basis, entries, taken)
+            count = _count_column(r.name, block.mask, columns, basis, entries, names)
             term = Where(sp.Gt(count, 0), term, sp.S.Zero)
         finalize += term
     index = {c: k for k, c in enumerate(columns)}
@@ -100,9 +118,9 @@ def _linear(r: Reduction, anchors: set, streams: set) -> LinearComponent:
     for (ci, cj), v in entries.items():
         A[index[ci], index[cj]] = v
     state = tuple(StateVar(c, sp.S.Zero, _meaning(psi, r.anchors))
-                  for c, psi in zip(columns, basis, strict=True) if c != COUNT)
-    obligations = _linear_obligations(r, columns, basis, A, finalize)
-    case = _linear_case(r, A, [b.coeff for b in blocks if b.coeff != 1])
+                  for c, psi in zip(columns, basis, strict=True) if c != names.count)
+    obligations = _linear_obligations(r, columns, basis, A, finalize, names)
+    case = _linear_case(r, A, [b.coeff for b in blocks if b.coeff != 1], blocks)
     masks = sorted({str(b.mask) for b in blocks if b.mask is not sp.true})
     if masks:
         case += ("; where(): the sums run over the elements of " + ", ".join(masks) +
@@ -111,24 +129,30 @@ def _linear(r: Reduction, anchors: set, streams: set) -> LinearComponent:
                            columns=tuple(columns), basis=tuple(basis), matrix=A)
 
 
-def _count_column(name: str, mask, columns: list, basis: list, entries: dict, taken: set):
+def _column(name: str, psi: sp.Expr, k: int, names: Names) -> sp.Symbol:
+    """The state symbol of the reduction's k-th column: the count for psi = 1, the reduction's
+    own name for its first (no other value has that name), else a fresh ``<name>_<k>``."""
+    if psi == 1:
+        return names.count
+    if k == 0:
+        return sp.Symbol(name, real=True)
+    return names.symbol(f"{name}_{k}", real=True)
+
+
+def _count_column(name: str, mask, columns: list, basis: list, entries: dict, names: Names):
     """The column counting the elements of ``mask`` (one already there, or a new one: an
     anchor-free sum, so its row of the re-anchoring matrix is the identity)."""
     psi = masked(mask, sp.S.One)
     if psi in basis:
         return columns[basis.index(psi)]
-    base = f"{name}_count"
-    while base in taken:
-        base += "_"
-    taken.add(base)
-    col = sp.Symbol(base, real=True)
+    col = names.symbol(f"{name}_count", real=True)
     columns.append(col)
     basis.append(psi)
     entries[(col, col)] = sp.S.One
     return col
 
 
-def _linear_case(r: Reduction, A: sp.Matrix, coeffs: list) -> str:
+def _linear_case(r: Reduction, A: sp.Matrix, coeffs: list, blocks: list[Block]) -> str:
     changes = f"when {_names(r.anchors)} change{'s' if len(r.anchors) == 1 else ''}"
     if A == sp.eye(A.rows):
         case = "plain sum" + (" (the state reads no earlier result)" if r.anchors else "")
@@ -137,6 +161,9 @@ def _linear_case(r: Reduction, A: sp.Matrix, coeffs: list) -> str:
     else:
         case = (f"finite-rank re-anchoring (rank {A.rows}): the state vector is mapped by a "
                 f"derived {A.rows}x{A.rows} matrix A({_names(r.anchors)} -> new) {changes}")
+    waves = sorted({w.func for b in blocks for _, _, w in b.terms if w != 1}, key=str)
+    for f in waves:
+        case += f"; {ADDITION_LAWS[f].identity}"
     if coeffs:
         case += "; anchor-only factor " + ", ".join(map(str, coeffs)) + " applied at finalize"
     return case
@@ -160,34 +187,43 @@ def _content(t: sp.Expr, streams: set) -> tuple[sp.Expr, sp.Expr]:
     return (-c, -psi) if negative else (c, psi)
 
 
-def _block_columns(name: str, block: Block, anchors: set, streams: set, taken: set):
-    """State columns of one block: Taylor coefficients T_g = c_g * psi_g, and the matrix
-    T_g(a') = exp(beta(a') - beta(a)) * sum_{h >= g} binom(h, g) (a' - a)**(h - g) T_h(a)."""
-    idxs = taylor_indices(name, block, anchors)
-    parts = [(c, block.masked(psi)) for c, psi in
-             (_content(block.kernel(ix), streams) for ix in idxs)]
-    cols = []
-    for k, (_, psi) in enumerate(parts):
-        if psi == 1:
-            cols.append(COUNT)
-            continue
-        base = name if k == 0 else f"{name}_{k}"
-        while base in taken:
-            base += "_"
-        taken.add(base)
-        cols.append(sp.Symbol(base, real=True))
+def _block_columns(name: str, block: Block, anchors: set, streams: set):
+    """State columns of one block: the Taylor coefficients T_gq = c_gq * psi_gq (q = 1: the
+    wave's partner), and the matrix T_gq(a') = exp(beta(a') - beta(a)) *
+    sum_{h >= g} binom(h, g) (a' - a)**(h - g) sum_p R_qp T_hp(a).  Coefficients with one psi
+    (two anchors whose top coefficients both equal 1) share a column: its row is any one of
+    theirs, and the entries into it add up."""
     new = {a: primed(a) for a in anchors}
     scale = sp.exp(sp.expand(block.beta.subs(new, simultaneous=True) - block.beta))
-    matrix = {}
-    for gi, g in enumerate(idxs):
-        for hi, h in enumerate(idxs):
-            if all(h.get(a, 0) >= k for a, k in g.items()):
-                entry = scale * parts[hi][0] / parts[gi][0]
-                for a, ka in h.items():
-                    kg = g.get(a, 0)
-                    entry *= sp.binomial(ka, kg) * (primed(a) - a) ** (ka - kg)
-                matrix[(gi, hi)] = entry
-    return cols, [p for _, p in parts], matrix, parts[0][0]
+    rot = rotation(block.theta, new, block.quarters != (0,))
+    content, column, psis = {}, {}, []
+    for g in taylor_indices(name, block, anchors):
+        for q in block.quarters:
+            t = block.kernel(g, q)
+            if t == 0:  # nothing to keep (and nothing for a row to read)
+                continue
+            c, psi = _content(t, streams)
+            psi = block.masked(psi)
+            if psi not in psis:
+                psis.append(psi)
+            key = (tuple(sorted(g.items(), key=str)), q)
+            content[key], column[key] = c, psis.index(psi)
+    matrix: dict[tuple[int, int], sp.Expr] = {}
+    rows = set()
+    for (g, q), j in column.items():
+        if j in rows:  # a coinciding coefficient: its column already has a row
+            continue
+        rows.add(j)
+        for (h, p), k in column.items():
+            gd, hd = dict(g), dict(h)
+            if rot[q][p] == 0 or any(hd.get(a, 0) < kg for a, kg in gd.items()):
+                continue
+            entry = scale * rot[q][p] * content[(h, p)] / content[(g, q)]
+            for a, ka in hd.items():
+                kg = gd.get(a, 0)
+                entry *= sp.binomial(ka, kg) * (primed(a) - a) ** (ka - kg)
+            matrix[(j, k)] = matrix.get((j, k), sp.S.Zero) + entry
+    return psis, matrix, content[((), 0)]
 
 
 def _meaning(psi: sp.Expr, anchors) -> str:
@@ -199,7 +235,7 @@ def _names(symbols) -> str:
     return ", ".join(str(s) for s in symbols)
 
 
-def _linear_obligations(r, columns, basis, A, finalize) -> tuple[Obligation, ...]:
+def _linear_obligations(r, columns, basis, A, finalize, names: Names) -> tuple[Obligation, ...]:
     one = {c: psi for c, psi in zip(columns, basis, strict=True)}  # the state of one element
     obls = [Obligation(f"{r.name}: decomposition", "finalize of a one-element state is the body",
                        finalize.subs(one, simultaneous=True), r.body)]
@@ -212,7 +248,9 @@ def _linear_obligations(r, columns, basis, A, finalize) -> tuple[Obligation, ...
     obls.append(Obligation(f"{r.name}: identity", "A(a, a) = I (an unmoved anchor keeps "
                            "the state)", A.subs({v: k for k, v in new.items()}),
                            sp.eye(A.rows)))
-    s0, s1, s2 = ({a: primed(a, t) for a in r.anchors} for t in ("_0", "_1", "_2"))
+    # three anchor points, named fresh: a parameter called m_1 must not become one of them
+    s0, s1, s2 = ({a: names.symbol(a.name + t, **a.assumptions0) for a in r.anchors}
+                  for t in ("_0", "_1", "_2"))
 
     def at(src, dst):
         return A.subs({**{a: src[a] for a in r.anchors}, **{new[a]: dst[a] for a in r.anchors}},
@@ -228,7 +266,7 @@ _SIGN_WORDS = {"positive": "strictly increasing", "negative": "strictly decreasi
                "nonnegative": "non-decreasing", "nonpositive": "non-increasing"}
 
 
-def _select(r: Reduction, anchors: set, streams: set) -> SelectComponent:
+def _select(r: Reduction, anchors: set, streams: set, names: Names) -> SelectComponent:
     law = LAWS[r.op]
     if anchors:
         g, F, u = monotone_core(r.name, r.body, anchors, streams)
@@ -239,8 +277,8 @@ def _select(r: Reduction, anchors: set, streams: set) -> SelectComponent:
     sign = _monotone_sign(r, g, F, strict)
     direction = law.direction * (1 if sign in ("positive", "nonnegative") else -1)
     k = r.k or 1
-    value = sp.Symbol(r.name if law.returns in ("value", "values_k") else r.name + "_best",
-                      real=True)
+    value = sp.Symbol(r.name, real=True) if law.returns in ("value", "values_k") else \
+        names.symbol(r.name + "_best", real=True)
     ident = law.identity if direction == law.direction else -law.identity
     state = [StateVar(value, ident, f"{'largest' if direction > 0 else 'smallest'} "
                       f"{str(r.k) + ' ' if r.k else ''}{g}", "values_k" if r.k else "value")]
@@ -261,7 +299,8 @@ def _select(r: Reduction, anchors: set, streams: set) -> SelectComponent:
             Obligation(f"{r.name}: monotone", f"F is {word} in g, so {r.op} commutes with it",
                        _derivative(F, g), sign=sign))
         swap = "" if direction == law.direction else " (direction swapped)"
-        case = (f"monotone commutation: F(u) = {F} is {word} in g = {g}, so "
+        u = sp.Symbol(fresh("u", set(names.taken)), real=True)  # only shown: named apart
+        case = (f"monotone commutation: F({u}) = {F.subs(U, u)} is {word} in g = {g}, so "
                 f"{r.op}(F(g)) = F({r.op}(g)){swap}; the dependence on {_names(r.anchors)} "
                 "disappears")
     return SelectComponent(r, case, tuple(state), r.anchors, finalize, obligations,
@@ -271,7 +310,7 @@ def _select(r: Reduction, anchors: set, streams: set) -> SelectComponent:
 def _derivative(F: sp.Expr, g: sp.Expr) -> sp.Expr:
     """dF/du, with u known positive when g is (u only takes the values of g)."""
     dF = sp.diff(F, U)
-    return dF.subs(U, sp.Symbol(U.name, positive=True)) if g.is_positive else dF
+    return dF.subs(U, sp.Dummy(U.name, positive=True)) if g.is_positive else dF
 
 
 def _monotone_sign(r: Reduction, g, F, strict: bool) -> str:
@@ -289,12 +328,12 @@ def _monotone_sign(r: Reduction, g, F, strict: bool) -> str:
 
 
 # Step 3. prod: multiplicative separation -----------------------------------------------
-def _product(r: Reduction, anchors: set, streams: set) -> ProductComponent:
+def _product(r: Reduction, anchors: set, streams: set, names: Names) -> ProductComponent:
     coeff, G = multiplicative_split(r.name, r.body, anchors, streams)
     state = (StateVar(sp.Symbol(r.name, real=True), sp.S.One, f"product of {G}"),)
-    finalize = coeff ** COUNT * state[0].symbol if coeff != 1 else state[0].symbol
+    finalize = coeff ** names.count * state[0].symbol if coeff != 1 else state[0].symbol
     obligations = (Obligation(f"{r.name}: factorization", "body = C(a) * G(x)", coeff * G,
                               r.body),)
     case = "plain product" if coeff == 1 else (
-        f"multiplicative separation: prod({coeff} * G) = ({coeff})**n * prod(G)")
+        f"multiplicative separation: prod({coeff} * G) = ({coeff})**{names.count} * prod(G)")
     return ProductComponent(r, case, state, r.anchors, finalize, obligations, factor=G)

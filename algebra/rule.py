@@ -8,14 +8,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import sympy as sp
 
-from .components import COUNT, Component, LinearComponent, StateVar, primed
+from .components import Component, LinearComponent, StateVar, primed
 from .interpret import run
 from .numeric import compile_expr
 from .prove import Obligation
 from .spec import INDEX, Cascade
 from .stash import Stash, stashes, tile_anchor
-
-COUNT_STATE = StateVar(COUNT, sp.S.Zero, "number of elements folded in (N at the end)", "count")
 
 
 @dataclass(frozen=True)
@@ -36,15 +34,23 @@ class FusionRule:
 
     # Step 1. What the rule is -------------------------------------------------------
     @property
+    def count(self) -> sp.Symbol:
+        """The count of elements folded in (n, unless the spec uses that name)."""
+        return self.cascade.count
+
+    @property
     def uses_count(self) -> bool:
-        return any(COUNT in e.free_symbols for e in self.running.values()) or any(
-            COUNT in getattr(c, "columns", ()) for c in self.components)
+        count = self.count
+        return any(count in e.free_symbols for e in self.running.values()) or any(
+            count in getattr(c, "columns", ()) for c in self.components)
 
     @property
     def state(self) -> tuple[StateVar, ...]:
         """All state variables with their initial values, the count first if used."""
         own = tuple(s for c in self.components for s in c.state)
-        return ((COUNT_STATE,) if self.uses_count else ()) + own
+        count = StateVar(self.count, sp.S.Zero, "number of elements folded in (N at the end)",
+                         "count")
+        return ((count,) if self.uses_count else ()) + own
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -59,11 +65,13 @@ class FusionRule:
         return all(o.check() for o in self.obligations)
 
     def update_lines(self) -> list[tuple[object, object]]:
-        count = [(primed(COUNT), COUNT + 1)] if self.uses_count else []
+        n = self.count
+        count = [(primed(n), n + 1)] if self.uses_count else []
         return count + [line for c in self.components for line in c.update_lines()]
 
     def merge_lines(self) -> list[tuple[object, object]]:
-        count = [(COUNT, primed(COUNT, "_L") + primed(COUNT, "_R"))] if self.uses_count else []
+        n = self.count
+        count = [(n, primed(n, "_L") + primed(n, "_R"))] if self.uses_count else []
         return count + [line for c in self.components for line in c.merge_lines()]
 
     def finalize_lines(self) -> list[tuple[object, object]]:
@@ -83,7 +91,8 @@ class FusionRule:
         out = []
         for n, s in self.stashes.items():
             psi = self.components[s.component].basis[s.column]
-            at_tile = {a: tile_anchor(a) for a in self.components[s.component].anchors}
+            at_tile = {a: tile_anchor(a, self.cascade)
+                       for a in self.components[s.component].anchors}
             anchors = ", ".join(map(str, at_tile.values()))
             out.append((f"{n}[{INDEX}]", f"({psi.subs(at_tile)}) * ({s.factor})    # the pass "
                         f"writes the first factor, at its anchors {anchors}"))
@@ -96,7 +105,7 @@ class FusionRule:
                                        for s in self.state]),
             ("update (one element; primes mark new values)", self.update_lines()),
             ("merge (two partial states L, R)", self.merge_lines()),
-            ("finalize (n = N)", self.finalize_lines()),
+            (f"finalize ({self.count} = N)", self.finalize_lines()),
             ("per element (second pass over the stream)", self.elementwise_lines()),
             ("stash (per-element outputs written by the statistics pass)", self.stash_lines()),
         ]
@@ -166,7 +175,7 @@ class FusionRule:
 
     def init(self, rows: tuple, dtype) -> dict[str, np.ndarray]:
         dt = np.dtype(dtype)
-        state = {COUNT.name: np.zeros(rows + (1, 1), dt)} if self.uses_count else {}
+        state = {self.count.name: np.zeros(rows + (1, 1), dt)} if self.uses_count else {}
         for comp in self.components:
             state.update(comp.init(rows + (1, 1), dt))
         return state
@@ -176,7 +185,7 @@ class FusionRule:
         dt = _dtype_of(state)
         new = dict(state)
         if self.uses_count:
-            new[COUNT.name] = state[COUNT.name] + dt.type(1)
+            new[self.count.name] = state[self.count.name] + dt.type(1)
         for comp in self.components:
             comp.update(state, new, element, self._anchors(comp, state, params, dt),
                         self._anchors(comp, new, params, dt), dt)
@@ -187,7 +196,7 @@ class FusionRule:
         dt = _dtype_of(left)
         out = {}
         if self.uses_count:
-            out[COUNT.name] = left[COUNT.name] + right[COUNT.name]
+            out[self.count.name] = left[self.count.name] + right[self.count.name]
         for comp in self.components:
             comp.merge(left, right, out, self._anchors(comp, left, params, dt),
                        self._anchors(comp, right, params, dt),

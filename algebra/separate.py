@@ -4,9 +4,12 @@ Three analyses, one per algebraic family of ``laws.LAWS``:
 
 - ``linear_blocks`` (sum): body = sum_b C_b(a) * K_b(x, a), where C_b depends on the
   anchors only (it moves to finalize) and K_b = sum_t exp(alpha_t(x) + beta_b(a)) * P_t(x, a)
-  with each P_t a polynomial in the anchors.  The exponential keeps its anchor part
-  (that is what keeps exp() in range); the polynomial keeps its shifted form
-  (that is what keeps variance stable).
+  * W_t(gamma_t(x) + theta_b(a)) with each P_t a polynomial in the anchors and W_t a wave
+  (sin, cos, or none).  The exponential keeps its anchor part (that is what keeps exp() in
+  range); the polynomial keeps its shifted form (that is what keeps variance stable); the
+  wave keeps its phase (sin(x - m), not sin x cos m - cos x sin m, stays exact near x = m).
+  ``algebra.addition.ADDITION_LAWS`` is the table of the functions of a stream part plus an
+  anchor part that split this way, with the identity each relies on.
 - ``monotone_core`` (max/min/arg*/topk): body = F(g(x), a) for one anchor-free g.
 - ``multiplicative_split`` (prod): body = C(a) * G(x).
 
@@ -24,7 +27,9 @@ from dataclasses import dataclass
 from itertools import product
 
 import sympy as sp
+from sympy.codegen.cfunctions import expm1
 
+from .addition import PHASE, WAVES, exp_form, is_wave, mixes, wave_parts
 from .errors import NotFusable
 from .functions import Maximum, Minimum, Relu, Round
 from .selects import conditions, has_select, leaves, masked
@@ -32,12 +37,19 @@ from .selects import conditions, has_select, leaves, masked
 
 @dataclass(frozen=True)
 class Block:
-    """Terms sharing one anchor-only factor ``coeff`` and one exponent anchor part ``beta``."""
+    """Terms sharing one anchor-only factor ``coeff``, one exponent anchor part ``beta`` and
+    one wave phase ``theta`` (0 without waves)."""
 
     coeff: sp.Expr
     beta: sp.Expr
-    terms: tuple[tuple[sp.Expr, sp.Expr], ...]  # (alpha_t(x), P_t(x, a)), P_t polynomial in a
+    terms: tuple[tuple[sp.Expr, sp.Expr, sp.Expr], ...]  # (alpha_t(x), P_t(x, a), W_t(PHASE))
     mask: sp.Basic = sp.true  # the elements the block sums over (a select's leaf)
+    theta: sp.Expr = sp.S.Zero
+
+    @property
+    def quarters(self) -> tuple[int, ...]:
+        """The wave phases each Taylor coefficient needs: W(theta) and W(theta + pi/2)."""
+        return (0, 1) if any(w != 1 for _, _, w in self.terms) else (0,)
 
     def masked(self, value: sp.Expr) -> sp.Expr:
         """``value`` on the block's elements, 0 on the others."""
@@ -45,28 +57,25 @@ class Block:
 
     def reads(self, anchors: set) -> bool:
         """Does the block depend on an anchor (re-anchored, or an anchor factor)?"""
-        free = self.coeff.free_symbols | self.beta.free_symbols
-        for _, poly in self.terms:
+        free = self.coeff.free_symbols | self.beta.free_symbols | self.theta.free_symbols
+        for _, poly, _ in self.terms:
             free |= poly.free_symbols
         return bool(free & anchors)
 
-    def kernel(self, deriv: dict[sp.Symbol, int] | None = None) -> sp.Expr:
-        """sum_t exp(alpha_t + beta) * d^deriv P_t / deriv!  (the Taylor coefficient T_deriv)."""
+    def kernel(self, deriv: dict[sp.Symbol, int] | None = None, quarter: int = 0) -> sp.Expr:
+        """sum_t exp(alpha_t + beta) * d^deriv P_t / deriv! * W_t(theta + quarter*pi/2)
+        (the Taylor coefficient T_deriv; quarter 1 is its wave's partner)."""
         total = sp.S.Zero
-        for alpha, poly in self.terms:
+        phase = self.theta + quarter * sp.pi / 2
+        for alpha, poly, wave in self.terms:
             for a, k in (deriv or {}).items():
                 poly = sp.diff(poly, a, k) / sp.factorial(k)
-            total += _exp(alpha + self.beta) * poly
+            total += _exp(alpha + self.beta) * poly * wave.subs(PHASE, phase)
         return total
 
 
 def _exp(e: sp.Expr) -> sp.Expr:
     return sp.S.One if e == 0 else sp.exp(e)
-
-
-def _mixes(e: sp.Expr, anchors: set, streams: set) -> bool:
-    free = e.free_symbols
-    return bool(free & anchors) and bool(free & streams)
 
 
 # Why each kind of node blocks separation, keyed by sympy class: data, not branches.
@@ -83,8 +92,22 @@ _WHY = {
     Maximum: "switches branch where the anchor crosses the stream: not separable",
     Minimum: "switches branch where the anchor crosses the stream: not separable",
     sp.exp: "has an exponent that does not split into a stream part plus an anchor part",
+    sp.sin: "has an argument that does not split into a stream part plus an anchor part "
+            "(only sin(g(x) + h(a)) has the rank-2 form sin g cos h + cos g sin h)",
+    sp.cos: "has an argument that does not split into a stream part plus an anchor part "
+            "(only cos(g(x) + h(a)) has the rank-2 form cos g cos h - sin g sin h)",
+    expm1: "is exp(e) - 1, a rank-2 form, but that form cancels exp(e) against the count and "
+           "loses the accuracy near e = 0 that expm1 is for: write exp(...) - 1 to fuse it",
     sp.Pow: "is not a polynomial in the anchor: a power, root or quotient of a stream-and-"
             "anchor expression has no finite-rank G(x)*H(anchor) form",
+}
+
+
+_NUMBER_BASE = {  # is the base 0?  (a positive base was rewritten exp(e*log(b)) and fused)
+    False: "is a power of a negative number with an exponent that varies: it is not a real "
+           "number between integer exponents (numpy gives NaN), so no real state can hold it",
+    True: "is a power of 0: 0, 1 or inf as the exponent's sign changes, piecewise constant, "
+          "so no identity re-anchors it",
 }
 
 
@@ -121,14 +144,14 @@ def check_selects(name: str, body: sp.Expr, anchors: set, family: str):
 def _separable(e: sp.Expr, anchors: set, streams: set) -> bool:
     """True when e is built from stream-only and anchor-only parts by +, *, positive integer
     powers, polynomials in the anchors and exponentials of separable exponents."""
-    if not _mixes(e, anchors, streams) or e.is_polynomial(*(e.free_symbols & anchors)):
+    if not mixes(e, anchors, streams) or e.is_polynomial(*(e.free_symbols & anchors)):
         return True
     if e.is_Add or e.is_Mul:
         return all(_separable(a, anchors, streams) for a in e.args)
     if e.is_Pow and e.exp.is_Integer and e.exp > 0:
         return _separable(e.base, anchors, streams)
-    if isinstance(e, sp.exp):
-        return all(not _mixes(t, anchors, streams) for t in sp.Add.make_args(sp.expand(e.args[0])))
+    if isinstance(e, (sp.exp, *WAVES)):
+        return all(not mixes(t, anchors, streams) for t in sp.Add.make_args(sp.expand(e.args[0])))
     return False
 
 
@@ -137,6 +160,8 @@ def culprit(e: sp.Expr, anchors: set, streams: set) -> tuple[sp.Expr, str]:
     for arg in e.args:
         if not _separable(arg, anchors, streams):
             return culprit(arg, anchors, streams)
+    if e.is_Pow and e.base.is_number:  # b > 0 was rewritten exp(e*log(b)) and separated
+        return e, _NUMBER_BASE[bool(e.base.is_zero)]
     why = next((w for cls, w in _WHY.items() if isinstance(e, cls)),
                f"({type(e).__name__} of a stream-and-anchor expression) is not separable: "
                "it has no finite-rank G(x)*H(anchor) form")
@@ -164,60 +189,74 @@ def _split_terms(e: sp.Expr, has_exp) -> list[tuple[sp.Expr, sp.Expr]]:
 
 
 def _split_exponent(expo, anchors, streams, name) -> tuple[sp.Expr, sp.Expr]:
-    alpha, beta = sp.S.Zero, sp.S.Zero
-    for t in sp.Add.make_args(sp.expand(expo)):
-        if _mixes(t, anchors, streams):
-            raise NotFusable(name, sp.exp(expo), _WHY[sp.exp])
+    return _split_argument(sp.exp, expo, anchors, streams, name)
+
+
+def _split_argument(func, arg, anchors, streams, name) -> tuple[sp.Expr, sp.Expr]:
+    """``arg`` of ``func`` (an exp or a wave) as stream part + anchor part (an addition law
+    applies to nothing else)."""
+    stream, anchor = sp.S.Zero, sp.S.Zero
+    for t in sp.Add.make_args(sp.expand(arg)):
+        if mixes(t, anchors, streams):
+            raise NotFusable(name, func(arg), _WHY[func])
         if t.free_symbols & streams:
-            alpha += t
+            stream += t
         else:
-            beta += t
-    return alpha, beta
+            anchor += t
+    return stream, anchor
 
 
 def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[Block]:
-    """Decompose a sum body into blocks ``C_b(a) * sum_t exp(alpha_t + beta_b) * P_t``.
+    """Decompose a sum body into blocks ``C_b(a) * sum_t exp(alpha_t + beta_b) * P_t * W_t``.
 
     Examples
     --------
     >>> x, m, d = sp.symbols("x m d", real=True)
     >>> [(b.coeff, b.beta, b.terms) for b in linear_blocks("o", sp.exp(x - m) / d, {m, d}, {x})]
-    [(1/d, -m, ((x, 1),))]
+    [(1/d, -m, ((x, 1, 1),))]
+    >>> [(b.theta, b.quarters) for b in linear_blocks("s", sp.sin(x - m), {m}, {x})]
+    [(m, (0, 1))]
     """
 
     def has_exp(e):
-        return any(_mixes(f, anchors, streams) or f.free_symbols & anchors
+        return any(mixes(f, anchors, streams) or f.free_symbols & anchors
                    for f in e.atoms(sp.exp))
 
     def opens(e):  # sums holding an exp, and products whose anchors are not polynomial:
         # (b + g*(x - mean)/sqrt(var)) * w distributes into separable terms
-        return has_exp(e) or (_mixes(e, anchors, streams) and
+        return has_exp(e) or (mixes(e, anchors, streams) and
                               not e.is_polynomial(*(e.free_symbols & anchors)))
 
-    groups: dict[tuple, dict[sp.Expr, sp.Expr]] = {}
-    for mask, leaf in leaves(body):
-        _leaf_blocks(name, leaf, mask, anchors, streams, opens, groups)
-    return [Block(c, b, tuple(t.items()), mask) for (c, b, mask), t in groups.items()]
+    groups: dict[tuple, dict[tuple, sp.Expr]] = {}
+    for mask, leaf in leaves(exp_form(body, anchors)):
+        for expo, rest in _split_terms(leaf, opens):
+            for part in wave_parts(name, rest, anchors, streams):
+                _add_term(name, expo, part, mask, anchors, streams, groups)
+    return [Block(c, b, tuple((a, p, w) for (a, w), p in t.items()), mask, theta)
+            for (c, b, theta, mask), t in groups.items()]
 
 
-def _leaf_blocks(name, leaf, mask, anchors, streams, opens, groups):
-    """Add the blocks of one select-free leaf (summed over the elements of ``mask``)."""
-    for expo, rest in _split_terms(leaf, opens):
-        alpha, beta = _split_exponent(expo, anchors, streams, name)
-        coeff, poly = sp.S.One, sp.S.One
-        if alpha == 0:  # exp of anchors alone: a plain anchor factor, finalize takes it
-            coeff, beta = _exp(beta), sp.S.Zero
-        for f in sp.Mul.make_args(rest):
-            if not f.free_symbols & anchors:
-                poly *= f
-            elif not f.free_symbols & streams:
-                coeff *= f
-            elif f.is_polynomial(*(f.free_symbols & anchors)):
-                poly *= f
-            else:
-                raise NotFusable(name, *culprit(f, anchors, streams))
-        terms = groups.setdefault((coeff, beta, mask), {})
-        terms[alpha] = terms.get(alpha, sp.S.Zero) + poly
+def _add_term(name, expo, rest, mask, anchors, streams, groups):
+    """Add one term exp(expo) * rest of a select-free leaf (summed over the elements of
+    ``mask``) to its block."""
+    alpha, beta = _split_exponent(expo, anchors, streams, name)
+    coeff, poly, wave, theta = sp.S.One, sp.S.One, sp.S.One, sp.S.Zero
+    if alpha == 0:  # exp of anchors alone: a plain anchor factor, finalize takes it
+        coeff, beta = _exp(beta), sp.S.Zero
+    for f in sp.Mul.make_args(rest):
+        if not f.free_symbols & anchors:
+            poly *= f
+        elif not f.free_symbols & streams:
+            coeff *= f
+        elif f.is_polynomial(*(f.free_symbols & anchors)):
+            poly *= f
+        elif is_wave(f, anchors, streams):  # one per term (``_wave_parts``)
+            gamma, theta = _split_argument(f.func, f.args[0], anchors, streams, name)
+            wave = f.func(gamma + PHASE)
+        else:
+            raise NotFusable(name, *culprit(f, anchors, streams))
+    terms = groups.setdefault((coeff, beta, theta, mask), {})
+    terms[(alpha, wave)] = terms.get((alpha, wave), sp.S.Zero) + poly
 
 
 MAX_RANK = 16  # state sums per block: beyond this a "one pass" costs more than it saves
@@ -225,13 +264,14 @@ MAX_RANK = 16  # state sums per block: beyond this a "one pass" costs more than 
 
 def taylor_indices(name: str, block: Block, anchors: set) -> list[dict[sp.Symbol, int]]:
     """Multi-indices of the nonzero Taylor coefficients of the block in its polynomial anchors."""
-    poly_anchors = sorted({a for _, p in block.terms for a in p.free_symbols & anchors}, key=str)
-    degree = {a: max(sp.degree(p, a) for _, p in block.terms) for a in poly_anchors}
-    size = 1
+    poly_anchors = sorted({a for _, p, _ in block.terms for a in p.free_symbols & anchors},
+                          key=str)
+    degree = {a: max(sp.degree(p, a) for _, p, _ in block.terms) for a in poly_anchors}
+    size = len(block.quarters)
     for a in poly_anchors:
         size *= degree[a] + 1
     if size > MAX_RANK:
-        culprit_term = max((p for _, p in block.terms), key=lambda p: sp.count_ops(p))
+        culprit_term = max((p for _, p, _ in block.terms), key=lambda p: sp.count_ops(p))
         raise NotFusable(name, culprit_term, f"needs {size} state sums to re-anchor (degrees "
                          f"{degree} in the anchors), more than the limit of {MAX_RANK}")
     out = []
@@ -281,8 +321,8 @@ def monotone_core(name: str, body: sp.Expr, anchors: set, streams: set):
 def multiplicative_split(name: str, body: sp.Expr, anchors: set, streams: set):
     """Write ``body = C(a) * G(x)`` (exp factors split in their exponent); else NotFusable."""
     coeff, rest = sp.S.One, sp.S.One
-    for f in sp.Mul.make_args(sp.powsimp(body)):
-        if isinstance(f, sp.exp) and _mixes(f, anchors, streams):
+    for f in sp.Mul.make_args(sp.powsimp(exp_form(body, anchors))):  # 2**(x - m) splits too
+        if isinstance(f, sp.exp) and mixes(f, anchors, streams):
             alpha, beta = _split_exponent(f.args[0], anchors, streams, name)
             coeff, rest = coeff * sp.exp(beta), rest * sp.exp(alpha)
         elif not f.free_symbols & anchors:

@@ -29,6 +29,7 @@ from .limits import (
     node_problem,
     power_problem,
 )
+from .names import fresh, spec_names
 from .selects import MAX_CONDITIONS, conditions, lift
 
 INDEX, LENGTH = "i", "N"  # the stream index and the stream length
@@ -36,6 +37,7 @@ N = sp.Symbol(LENGTH, positive=True, integer=True)
 POSITION = sp.Symbol(INDEX, nonnegative=True, integer=True)
 CONSTANTS = {"pi": sp.pi, "inf": sp.oo}
 OUT = "out"  # kernels take their preallocated outputs as out=: no input may be named so
+COUNT_BASE = "n"  # the running count of elements: n, unless the spec itself uses that name
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,17 @@ class Cascade:
     elementwise: dict[str, sp.Expr]  # per-element output -> expression over streams/results
     outputs: tuple[str, ...]  # spec order
     shapes: dict[str, Shape] = field(default_factory=dict)
+    names: frozenset[str] = frozenset()  # every name the spec spells (and its hidden results)
+
+    @property
+    def count(self) -> sp.Symbol:
+        """The running count of elements folded into a state (N at the end), named fresh
+        against the spec's names."""
+        return sp.Symbol(fresh(COUNT_BASE, set(self.names)), integer=True, nonnegative=True)
+
+    def taken(self) -> set[str]:
+        """The names no invented state column may take: the spec's and the count's."""
+        return set(self.names) | {self.count.name}
 
     @property
     def results(self) -> dict[str, sp.Symbol]:
@@ -140,6 +153,9 @@ class _Lifter:
         # (size, depth) of each lifted node with its lets substituted, and of each let
         self.cost: dict[ast.AST, tuple[int, int]] = {}
         self.let_cost: dict[str, tuple[int, int]] = {}
+        # hidden results are named fresh against every name the text spells, also the inputs
+        # it only reads later (t = max(x[i]) + t_max)
+        self.names = spec_names(tree, [INDEX, LENGTH, OUT, *CONSTANTS])
 
     def run(self) -> Cascade:
         for stmt in self.tree.body:
@@ -149,7 +165,8 @@ class _Lifter:
         streams = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "stream")
         params = tuple(sp.Symbol(n, real=True) for n, k in self.kind.items() if k == "param")
         return Cascade(self.text, streams, params, frozenset(self.vector), tuple(self.reductions),
-                       self.epilogues, self.elementwise, tuple(self.outputs), self.shapes)
+                       self.epilogues, self.elementwise, tuple(self.outputs), self.shapes,
+                       frozenset(self.names))
 
     def check(self):
         """Whole-spec checks, once every feature axis is known."""
@@ -450,13 +467,7 @@ class _Lifter:
             _fail(node, problem)
 
     def _hidden_name(self, op: str) -> str:
-        base = f"{self.target}_{op}"
-        taken = {r.name for r in self.reductions} | set(self.assigned)
-        name, n = base, 1
-        while name in taken:
-            n += 1
-            name = f"{base}{n}"
-        return name
+        return fresh(f"{self.target}_{op}", self.names)
 
 
 def _undefined(value: sp.Expr) -> bool:

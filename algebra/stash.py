@@ -16,17 +16,19 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .components import COUNT, LinearComponent, primed
+from .components import LinearComponent
+from .names import fresh
 from .prove import Obligation
 from .spec import INDEX, Cascade
 
 STASH_LAW = "stash: the output is the stashed basis value times an element-free factor"
+TILE_MARK = "_t"  # m_t: the anchor m at a tile
 
 
 @dataclass(frozen=True)
 class Stash:
     """Output ``output`` = (basis ``column`` of component ``component`` at the tile anchors)
-    times ``factor``, which reads the tile anchors (``tile_anchor(a)``) and the results."""
+    times ``factor``, which reads the tile anchors (``tile_anchor``) and the results."""
 
     output: str
     component: int  # position in ``FusionRule.components``
@@ -35,9 +37,10 @@ class Stash:
     obligation: Obligation
 
 
-def tile_anchor(anchor: sp.Symbol) -> sp.Symbol:
-    """The working anchor a stashed value was computed at: m -> m_t."""
-    return primed(anchor, "_t")
+def tile_anchor(anchor: sp.Symbol, cascade: Cascade) -> sp.Symbol:
+    """The working anchor a stashed value was computed at: m -> m_t (fresh against the spec's
+    names: a parameter called m_t is another value)."""
+    return sp.Symbol(fresh(anchor.name + TILE_MARK, set(cascade.names)), **anchor.assumptions0)
 
 
 def stashes(cascade: Cascade, components) -> dict[str, Stash]:
@@ -56,20 +59,21 @@ def stashes(cascade: Cascade, components) -> dict[str, Stash]:
     varying = {s.name for s in cascade.streams} | {INDEX}
     out = {}
     for name, expr in cascade.elementwise.items():
-        found = _first_stash(name, expr, components, varying)
+        found = _first_stash(name, expr, cascade, components, varying)
         if found is not None:
             out[name] = found
     return out
 
 
-def _first_stash(name: str, expr: sp.Expr, components, varying: set) -> Stash | None:
+def _first_stash(name: str, expr: sp.Expr, cascade: Cascade, components,
+                 varying: set) -> Stash | None:
     for index, comp in enumerate(components):
         if not isinstance(comp, LinearComponent) or not comp.anchors:
             continue  # without an anchor the basis is the plain element: nothing to save
-        at_tile = {a: tile_anchor(a) for a in comp.anchors}
-        for column, (col, psi) in enumerate(zip(comp.columns, comp.basis, strict=True)):
+        at_tile = {a: tile_anchor(a, cascade) for a in comp.anchors}
+        for column, psi in enumerate(comp.basis):
             psi_t = psi.subs(at_tile, simultaneous=True)
-            if col == COUNT or not ({s.name for s in psi_t.free_symbols} & varying):
+            if comp.counts(column) or not ({s.name for s in psi_t.free_symbols} & varying):
                 continue
             factor = sp.powsimp(sp.simplify(expr / psi_t))
             if {s.name for s in factor.free_symbols} & varying or factor.has(sp.zoo, sp.nan):

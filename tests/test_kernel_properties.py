@@ -31,9 +31,10 @@ FIRST = (("max(x[i])", "max"), ("min(x[i])", "min"), ("sum(x[i]) / N", "any"),
 # anchor the one-pass state under- or overflows float32 where the multi-pass form does not
 # (``sum(exp(x - min(exp(x))))`` loses every term folded before the minimum arrives).
 ANCHORED = {"any": ("(x[i] - {r})**2", "x[i] * {r}", "(x[i] - {r})**3", "y[i] * (x[i] - {r})",
-                    "x[i] - {r}", "abs(x[i]) * {r}"),
+                    "x[i] - {r}", "abs(x[i]) * {r}", "sin(x[i] - {r})",
+                    "cos(x[i] - {r}) * y[i]"),
             "max": ("exp(x[i] - {r})", "exp(x[i] - {r}) * y[i]", "exp((x[i] - {r}) / a)",
-                    "exp(x[i] - {r}) * x[i]"),
+                    "exp(x[i] - {r}) * x[i]", "pow(2, x[i] - {r})"),
             "min": ("exp({r} - x[i])", "exp({r} - x[i]) * y[i]")}
 VECTOR = {"any": ("(x[i] - {r}) * v[i, :]", "v[i, :] * {r}"),
           "max": ("exp(x[i] - {r}) * v[i, :]",), "min": ("exp({r} - x[i]) * v[i, :]",)}

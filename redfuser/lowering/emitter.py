@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import sympy as sp
 
-from algebra.components import COUNT, LinearComponent, SelectComponent, primed
+from algebra.components import LinearComponent, SelectComponent, primed
 from algebra.rule import FusionRule
 from algebra.skip import skip_conditions
 from algebra.spec import INDEX, LENGTH
@@ -188,7 +188,7 @@ class Emitter(SelectSteps, SettleSteps):
 
     def _count(self, st: States, lane):
         """The lane's count before this step (None when the rule keeps no count)."""
-        return T.bind(st.get(COUNT.name, lane)) if COUNT.name in st.bufs else None
+        return T.bind(st.get(st.count, lane)) if st.count in st.bufs else None
 
     def _moved(self, st, lane, r, comp, new: dict) -> dict:
         """Working anchors of ``comp`` after its upstream moved (computed once per anchor)."""
@@ -201,7 +201,7 @@ class Emitter(SelectSteps, SettleSteps):
         old, moved = self.held(st, lane, self.anchor_names), {}
         count = self._count(st, lane)
         if count is not None:
-            st.set(COUNT.name, lane, count + const(1))
+            st.set(st.count, lane, count + const(1))
         for comp in self.components:
             if isinstance(comp, LinearComponent):
                 new = self._moved(st, lane, r, comp, moved)
@@ -226,7 +226,7 @@ class Emitter(SelectSteps, SettleSteps):
                     if k in stash:  # the basis value is also the output's first factor
                         value = T.bind(value)
                         T.buffer_store(stash[k], value, [r, i, slot])
-                    if c != COUNT.name:
+                    if c != st.count:
                         st.set(c, lane, st.get(c, lane, slot) + value, slot)
         else:
             self._fold_other(st, comp, lane, i, r, dots or {})
@@ -285,7 +285,7 @@ class Emitter(SelectSteps, SettleSteps):
             extra = fresh(slot) if fresh else None
             values = {}
             for k, c in enumerate(cols):
-                if c == COUNT.name:
+                if c == st.count:
                     continue
                 v = terms[0][k]
                 for t in terms[1:]:
@@ -316,7 +316,7 @@ class Emitter(SelectSteps, SettleSteps):
                 entry = comp.matrix[g, h]
                 if entry == 0:
                     continue
-                s = count if col == COUNT.name else st.get(col, lane, slot)
+                s = count if col == st.count else st.get(col, lane, slot)
                 value = entries.get((g, h)) if (g, h) in entries else self.expr(entry, look)
                 term = s if entry == 1 else _mul0(value, s)
                 moved = term if moved is None else moved + term
@@ -334,7 +334,7 @@ class Emitter(SelectSteps, SettleSteps):
         moved = {}
         n_a, n_b = self._count(st, a), self._count(st, b)
         if n_a is not None:
-            st.set(COUNT.name, a, n_a + n_b)
+            st.set(st.count, a, n_a + n_b)
         for comp in self.components:
             if tile and direct(comp):
                 continue
@@ -365,7 +365,7 @@ class Emitter(SelectSteps, SettleSteps):
                                     st.get(jname, b, t) if jname else None)
 
     def _add(self, st: States, comp, a, b):
-        cols = [c.name for c in comp.columns if c != COUNT]
+        cols = [c.name for r, c in enumerate(comp.columns) if not comp.counts(r)]
         with self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
             for c in cols:
                 st.set(c, a, st.get(c, a, slot) + st.get(c, b, slot), slot)
@@ -420,7 +420,7 @@ class Emitter(SelectSteps, SettleSteps):
         """Bind the anchors the stashed values were written at (lane 0's working anchors,
         before anything folded later moves them)."""
         comps = [c for c in self.rule.components if id(c) in self.stashed]
-        self.stash_anchors = {tile_anchor(a): T.bind(st.get(work(a.name), 0))
+        self.stash_anchors = {tile_anchor(a, self.rule.cascade): T.bind(st.get(work(a.name), 0))
                               for c in comps for a in c.anchors}
 
     def _per_row(self, expr: sp.Expr, r, varying: frozenset = frozenset(), known=None):

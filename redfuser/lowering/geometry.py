@@ -16,7 +16,7 @@ from math import prod
 import numpy as np
 import sympy as sp
 
-from algebra.components import COUNT, Component, LinearComponent, SelectComponent
+from algebra.components import Component, LinearComponent, SelectComponent
 from algebra.functions import Dot
 from algebra.layout import Layout, resolve
 from algebra.rule import FusionRule
@@ -96,7 +96,7 @@ def geometry(rule: FusionRule, layout: Layout) -> Geometry:
         if anchors_vec or any(is_vec(e, vec) for e in component_exprs(comp)):
             vec |= {s.symbol.name for s in comp.state}
         for name, expr in rule.running.items():
-            if is_vec(expr, vec - {COUNT.name}):
+            if is_vec(expr, vec - {rule.count.name}):
                 vec.add(name)
     return Geometry(tuple(layout.rows), layout.n, layout.d or 1, inputs, frozenset(vec))
 

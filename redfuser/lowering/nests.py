@@ -7,7 +7,6 @@ import dataclasses
 
 from algebra.derive import derive_components, running_values
 from algebra.rule import FusionRule
-from algebra.spec import Cascade
 
 from ..tvm_adapter import T
 from .emitter import Emitter
@@ -36,8 +35,8 @@ def stage_rule(rule: FusionRule, index: int) -> FusionRule:
     """Reduction ``index`` alone, reading earlier results as per-row parameters."""
     c = rule.cascade
     red = dataclasses.replace(c.reductions[index], anchors=())
-    cascade = Cascade(c.text, c.streams, c.params, c.vector_inputs, (red,), {}, {}, (red.name,),
-                      c.shapes)
+    cascade = dataclasses.replace(c, reductions=(red,), epilogues={}, elementwise={},
+                                  outputs=(red.name,))
     comps = derive_components(cascade)
     return FusionRule(cascade, comps, running_values(cascade, comps), ())
 

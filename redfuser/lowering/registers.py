@@ -51,6 +51,7 @@ class States:
 
     def __init__(self, rule: FusionRule, geo: Geometry, lanes: int, scope: str = "local"):
         self.bufs, self.widths, self.kinds, self.inits = {}, {}, {}, {}
+        self.count = rule.count.name  # the count's register, when the rule keeps one
         for name, (width, dtype, kind, init) in registers(rule, geo).items():
             self.bufs[name] = T.alloc_buffer((lanes, width), dtype, scope=scope)
             self.widths[name], self.kinds[name], self.inits[name] = width, kind, init

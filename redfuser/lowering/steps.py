@@ -3,7 +3,7 @@ finalize; mixed into ``emitter.Emitter`` (kept apart to keep each module readabl
 
 from __future__ import annotations
 
-from algebra.components import COUNT, INDEX_SENTINEL, primed
+from algebra.components import INDEX_SENTINEL, primed
 
 from ..tvm_adapter import LEAVES, T, tirx
 from .fastmath import isfinite, isnan
@@ -120,7 +120,7 @@ class SettleSteps:
                 terms = [(degree[(g, h)], T.bind(self.expr(comp.matrix[g, h], look) *
                                                  st.get(col, 0, slot)), st.get(col, 0, slot))
                          for h, col in enumerate(cols) if comp.matrix[g, h] != 0]
-                if name != COUNT.name and terms:
+                if not comp.counts(g) and terms:
                     values[name] = T.bind(tirx.Select(tirx.Or(same, finite), _total(terms),
                                                       _dominant(terms)))
             for name, v in values.items():

@@ -32,7 +32,11 @@ def share(value, body):
     return fastmath.let(value, body, "t")  # statement-level in the lowering (statement_lets)
 
 
-def _pow(base, e: sp.Expr, dtype: str):
+def _pow(base, e: sp.Expr, dtype: str, go: Callable):
+    """base**e: roots and small integer powers as exact products, a constant exponent as a
+    constant, any other exponent (the count n of a prod finalize) as the TIR expression."""
+    if not e.is_number:
+        return tirx.pow(base, go(e))
     if e == sp.Rational(1, 2):
         return tirx.sqrt(base)
     if e == -sp.Rational(1, 2):
@@ -118,7 +122,7 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
                 out = out + t if e.is_Add else out * t
             return out
         if e.is_Pow:
-            return _pow(go(e.base), e.exp, dtype)
+            return _pow(go(e.base), e.exp, dtype, go)
         build = FUNCS.get(type(e).__name__)
         if build is None:
             raise NotImplementedError(f"no TIR lowering for {type(e).__name__} in `{e}`")

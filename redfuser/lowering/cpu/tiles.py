@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sympy as sp
 
-from algebra.components import COUNT, LinearComponent, SelectComponent
+from algebra.components import LinearComponent, SelectComponent
 from algebra.rule import FusionRule
 
 from ...tvm_adapter import T, tirx
@@ -73,8 +73,8 @@ def _lane_loop(lanes: int):
 
 def _start(st: States, lane, tile: int):
     st.init(lane)
-    if COUNT.name in st.bufs:
-        st.set(COUNT.name, lane, tirx.const(float(tile), F32))
+    if st.count in st.bufs:
+        st.set(st.count, lane, tirx.const(float(tile), F32))
 
 
 def tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool = False,
@@ -169,7 +169,7 @@ def _wide(em: Emitter, st: States, comp) -> bool:
     """A sum whose every column is a feature vector filling whole LANES-wide vectors."""
     if not isinstance(comp, LinearComponent):
         return False
-    cols = [c.name for c in comp.columns if c != COUNT]
+    cols = [c.name for r, c in enumerate(comp.columns) if not comp.counts(r)]
     return bool(cols) and all(st.widths[c] == em.geo.d for c in cols) and \
         em.geo.d % LANES == 0
 
@@ -178,7 +178,7 @@ def _vector_sums(em: Emitter, sts, comp, rows, base, size: int, dots, pres):
     """S_row[slot] += basis(row, element, slot) over the tile, slot chunks outermost: the
     loop over the tile's elements sits between the chunk loop and the vectorized slots, so
     each row's chunk of S stays in a register and each streamed load serves every row."""
-    cols = [c.name for c in comp.columns if c != COUNT]
+    cols = [c.name for r, c in enumerate(comp.columns) if not comp.counts(r)]
     names = [a.name for a in comp.anchors]
     with T.serial(0, em.geo.d // LANES) as chunk:
         with T.serial(0, size) as k:
