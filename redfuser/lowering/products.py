@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from algebra.components import COUNT, LinearComponent
+from algebra.components import LinearComponent
 from algebra.functions import Dot
 from algebra.rule import FusionRule
 
@@ -55,7 +55,7 @@ def _names(e: sp.Expr) -> set[str]:
 CONDITIONS: tuple[tuple[Callable[[object, Geometry], bool], str], ...] = (
     (lambda c, geo: geo.n > 0, "the stream is empty"),
     (lambda c, geo: isinstance(c, LinearComponent), "not a sum"),
-    (lambda c, geo: len(c.columns) == 1 and c.columns[0] != COUNT, "more than one column"),
+    (lambda c, geo: len(c.columns) == 1 and not c.counts(0), "more than one column"),
     (lambda c, geo: c.matrix == sp.eye(1), "its state is re-anchored during the pass"),
     (lambda c, geo: len(_weights(c, geo)) == 1,
      "no single factor of its element is a feature-axis stream shared by every row"),

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from algebra.components import COUNT
 from algebra.rule import FusionRule
 from algebra.spec import INDEX
 
@@ -206,7 +205,7 @@ def _results(em: Emitter, geo: Geometry, found, sums, st, r, results: dict):
     """Each result of row r from the product sums and the statistics; the parts that do not
     depend on the column (``1 / r``) are computed once, the columns in vector chunks."""
     names = {p.state for p in found}
-    scalars = {COUNT.name: const(geo.n)}  # every element is folded at finalize: n = N
+    scalars = {em.rule.count.name: const(geo.n)}  # every element is folded at finalize: n = N
     if st is not None:
         scalars.update({n: T.bind(st.get(n, 0)) for n in st.bufs if st.widths[n] == 1})
     for name, (buf, width) in results.items():
