@@ -187,7 +187,7 @@ class Kernel:
         layout = None if plan.direct else self._layout(inputs)
         users, tensors = output_arrays(plan, out)
         plan.func(*input_arrays(plan, inputs, layout), *tensors)
-        return in_kind(users, out, plan.framework)
+        return in_kind(users, out, plan.to_caller)
 
     def _new_call(self, key: tuple, inputs: dict) -> CallPlan:
         layout = self._layout(inputs)
@@ -210,7 +210,7 @@ class Kernel:
         plan.func(*layout_tensors(layout, plan.geo, dev), *tensors)
         for o, t in zip(plan.outputs, tensors, strict=True):
             np.copyto(np.asarray(users[o.name]).reshape(o.kernel_shape), t.numpy())
-        return in_kind(users, out, plan.framework)
+        return in_kind(users, out, plan.to_caller)
 
     def time(self, repeat: int = 5, **inputs) -> float:
         """Median milliseconds of the kernel alone on ``inputs`` (inputs and outputs already on
