@@ -3,8 +3,10 @@
 ``redfuser derive "<spec>" | NAME | -f FILE | --all [--latex | --json]``: derive and prove.
 ``redfuser kernels [NAME ...]``: compile each library cascade (fused and unfused), check it
 against the float64 oracle and time both (what ``make demo`` runs after ``derive --all``).
-``redfuser tune "<spec>" | NAME --shape x=4096x4096``: search the schedule for those shapes,
-print predicted vs measured time per candidate, store the best in the tuning database.
+``redfuser tune "<spec>" | NAME --shape x=4096x4096 | --model NAME_OR_FILE [--rpc HOST:PORT
+--key KEY]``: search the schedule for those shapes (or of every cascade of a model), here or
+on a device pool, print predicted vs measured time per candidate, store the best in the
+tuning database (``cli_tune.py``).
 ``redfuser db show | export FILE | import FILE | merge FILE...``: list the tuning database,
 write it to a portable file, fold other machines' databases in.
 ``redfuser bench [--tuned] ...``: the benchmark (``python -m redfuser.tools.bench``).
@@ -26,14 +28,13 @@ import time
 from algebra import LIBRARY, NotFusable, SpecError, derive
 from algebra.limits import MAX_SPEC_CHARS
 
+from . import cli_tune
+from .cli_args import UsageError, positive
+
 KERNEL_ROUNDS = 5  # `redfuser kernels`: alternating rounds timed per cascade (median)
 # `derive -f`: bytes read at most.  UTF-8 spends at most 4 bytes a character, so no spec the
 # parser accepts (MAX_SPEC_CHARS) is longer; /dev/zero is not read until memory runs out.
 MAX_FILE_BYTES = 4 * MAX_SPEC_CHARS.value
-
-
-class UsageError(Exception):
-    """A command line that cannot be run: one line on stderr, exit code 2."""
 
 
 def _read_spec_file(path: str) -> str:
@@ -59,26 +60,6 @@ def _read_spec_file(path: str) -> str:
     except UnicodeDecodeError as e:
         raise UsageError(f"{path!r} is not UTF-8 text (byte {data[e.start]:#04x} at offset "
                          f"{e.start})") from None
-
-
-def _positive(text: str) -> int:
-    """argparse type: a positive integer (a size)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {value}")
-    return value
-
-
-def _row_axes(text: str) -> tuple[int, ...]:
-    """argparse type: row axes such as ``8x1024``, each a positive integer."""
-    try:
-        return tuple(_positive(part) for part in text.split("x"))
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected row axes such as 8x1024 (positive "
-                                         f"integers), not {text!r}") from None
 
 
 def _derive_cmd(args: argparse.Namespace) -> int:
@@ -193,53 +174,6 @@ def _max_rel_err(out: dict, ref: dict, np) -> float:
     return worst
 
 
-def _shape(item: str) -> tuple[str, tuple[int, ...]]:
-    """argparse type of --shape: ``x=4096x4096`` -> ("x", (4096, 4096)); ``scale=`` -> a
-    scalar; every axis a positive integer."""
-    name, sep, dims = item.partition("=")
-    try:
-        if not sep or not name.isidentifier():
-            raise ValueError
-        return name, _row_axes(dims) if dims else ()
-    except (ValueError, argparse.ArgumentTypeError):
-        raise argparse.ArgumentTypeError(f"expected NAME=AxBxC with positive axes (e.g. "
-                                         f"x=4096x4096), not {item!r}") from None
-
-
-def _tune_cmd(args: argparse.Namespace) -> int:
-    from .tune import TuningDB, describe, machine, shape_geometry, space, tune  # lazily
-    from .tune.search import DatabaseError, store  # lazily (module doc)
-
-    try:
-        rule = derive(args.spec)
-        geo = shape_geometry(rule, dict(args.shape), rows=args.rows, n=args.n, d=args.d)
-    except (SpecError, NotFusable, ValueError) as e:
-        print(f"redfuser tune: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    db = None if args.no_store else TuningDB()
-    unusable = db.problem() if db is not None else None
-    if unusable is not None:  # say so before minutes of measuring
-        print(f"redfuser tune: the tuning database {db.path} {unusable}; it is left "
-              "untouched (--no-store tunes without storing)", file=sys.stderr)
-        return 1
-    variants = tuple(args.variant) if args.variant else None
-    print(space(rule, geo, args.target, variants=variants))
-    figures = machine(args.target)
-    print(f"machine: {figures.name}")
-    result = tune(rule, geo, args.target, top=args.top, repeat=args.repeat, rounds=args.rounds,
-                  variants=variants, db=False, figures=figures)
-    print(result.report())
-    print(f"best: {describe(result.best)}  ({result.best.reason})")
-    if db is None:
-        return 0
-    try:
-        print(store(db, result))
-    except (DatabaseError, ValueError) as e:
-        print(f"redfuser tune: not stored: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def _db_cmd(args: argparse.Namespace) -> int:
     from .tune import DatabaseError, TuningDB  # lazily (module doc)
     from .tune.share import fold, show  # lazily (module doc)
@@ -275,10 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     fmt.add_argument("--json", action="store_true", help="print JSON")
     k = sub.add_parser("kernels", help="compile, check and time library kernels")
     k.add_argument("names", nargs="*", help="library cascades (default: all)")
-    k.add_argument("--rows", type=_positive, default=512, help="rows (default 512)")
-    k.add_argument("--n", type=_positive, default=2048, help="stream length N (default 2048)")
-    k.add_argument("--d", type=_positive, default=64, help="feature length D (default 64)")
-    _tune_parser(sub)
+    k.add_argument("--rows", type=positive, default=512, help="rows (default 512)")
+    k.add_argument("--n", type=positive, default=2048, help="stream length N (default 2048)")
+    k.add_argument("--d", type=positive, default=64, help="feature length D (default 64)")
+    cli_tune.add_parser(sub)
     _db_parser(sub)
     sub.add_parser("bench", help="the benchmark (python -m redfuser.tools.bench: its options "
                                  "follow, e.g. --tuned)")
@@ -288,32 +222,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    commands = {"derive": _derive_cmd, "kernels": _kernels_cmd, "tune": _tune_cmd,
+    commands = {"derive": _derive_cmd, "kernels": _kernels_cmd, "tune": cli_tune.run,
                 "db": _db_cmd}
     try:
         return commands[args.command](args)
     except UsageError as e:
         print(f"redfuser {args.command}: {e}", file=sys.stderr)
         return 2
-
-
-def _tune_parser(sub) -> None:
-    t = sub.add_parser("tune", help="search the schedule for given shapes and remember it")
-    t.add_argument("spec", help="spec text or a library name")
-    t.add_argument("--shape", action="append", default=[], metavar="NAME=AxB", type=_shape,
-                   help="an input's shape (repeat per input); others from --rows/--n/--d")
-    t.add_argument("--rows", type=_row_axes, default=(1024,),
-                   help="row axes of the other inputs, e.g. 8x1024 (default 1024)")
-    t.add_argument("--n", type=_positive, default=4096, help="stream length N (default 4096)")
-    t.add_argument("--d", type=_positive, default=64, help="feature length D (default 64)")
-    t.add_argument("--target", choices=("cpu", "cuda"), default="cpu")
-    t.add_argument("--variant", action="append", choices=("rolling", "split", "unfused"),
-                   help="search only these variants (repeatable)")
-    t.add_argument("--top", type=_positive, default=4, help="candidates measured (default 4, "
-                                                            "plus the hand-written plan)")
-    t.add_argument("--repeat", type=_positive, default=5, help="timed runs per measurement")
-    t.add_argument("--rounds", type=_positive, default=2, help="measurements per candidate")
-    t.add_argument("--no-store", action="store_true", help="do not write the database")
 
 
 def _db_parser(sub) -> None:

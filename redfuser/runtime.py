@@ -14,7 +14,7 @@ from algebra.rule import FusionRule
 from .lowering import FUNC_NAME, Geometry, Plan, backend, build_primfunc, signature
 from .lowering.fastmath import elementwise_kernel
 from .tvm_adapter import build as tvm_build
-from .tvm_adapter import cpu_target, device, empty_aligned, from_numpy, time_ms
+from .tvm_adapter import cpu_target, device, empty_aligned, export_library, from_numpy, time_ms
 
 ELEMENTWISE_NAME = "fastmath_kernel"
 
@@ -32,10 +32,22 @@ class Built:
         return device(backend(self.target).tvm_target())
 
 
-def build(rule: FusionRule, geo: Geometry, plan: Plan, target: str = "cpu") -> Built:
-    """Lower and compile ``rule`` at ``geo`` following ``plan`` for ``target``."""
+def build(rule: FusionRule, geo: Geometry, plan: Plan, target: str = "cpu",
+          tvm_target: dict | None = None) -> Built:
+    """Lower and compile ``rule`` at ``geo`` following ``plan`` for ``target`` (the
+    backend's kernels), for this machine or for the TVM target ``tvm_target`` (another
+    machine's: e.g. ``{"kind": "llvm", "mcpu": "cortex-a72", "mtriple": "aarch64-linux-gnu"}``).
+    """
     func = build_primfunc(rule, geo, plan, FUNC_NAME, target)
-    return Built(func, tvm_build(func, backend(target).tvm_target()), plan, target)
+    return Built(func, tvm_build(func, tvm_target or backend(target).tvm_target()), plan,
+                 target)
+
+
+def export(built: Built, path: str, cross_cc: str | None = None) -> None:
+    """Write ``built`` as a library another machine loads (``tvm_adapter.export_library``:
+    ``.so`` linked here, by ``cross_cc`` for another architecture; ``.tar`` linked there).
+    """
+    export_library(built.executable, path, cross_cc)
 
 
 def input_tensors(layout: Layout, geo: Geometry, dev) -> list:

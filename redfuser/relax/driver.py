@@ -54,10 +54,10 @@ def _fuse_block(mod: IRModule, gv, func, index: int, options: tuple, entries: li
     try:
         lifter, groups = plan_block(func, func.body.blocks[index])
     except Exception as e:  # noqa: BLE001 - an analysis failure leaves the block alone
-        entries.append(GroupReport(_name(gv), (), False,
+        entries.append(GroupReport(function_name(gv), (), False,
                                    f"block {index} not analysed: {type(e).__name__}: {e}"))
         return mod
-    entries += _unlifted(_name(gv), lifter)
+    entries += _unlifted(function_name(gv), lifter)
     for group in groups:
         mod, entry = apply_group(mod, gv, index, group, *options)
         entries.append(entry)
@@ -85,16 +85,14 @@ def apply_group(mod: IRModule, gv, index: int, group: BindingGroup, check_build:
                 refuse: str = ""):
     """Splice one group into a copy of ``mod``; the copy is returned only if it checks.
     ``refuse``: a reason to report the group skipped without trying (e.g. the target)."""
-    fname = _name(gv)
+    fname = function_name(gv)
     entry = dict(function=fname, values=group.values, ops=group.ops, spec=group.spec)
     rule, reason = (None, refuse) if refuse else derive_spec(group.spec)
     if rule is None:
         return mod, GroupReport(fused=False, reason=reason, **entry)
     name = _fresh(mod, f"redfuser_{fname}")
     try:
-        kernel = kernel_for(group, rule, name)
-        if check_build:
-            check_kernel(kernel)
+        kernel = _checked_kernel(group, rule, name, check_build)
         bb = relax.BlockBuilder(mod.clone())
         kgv = bb.add_func(kernel.func, name)
         bb.update_func(gv, splice(bb.get()[gv], index, group, kgv, kernel))
@@ -106,6 +104,23 @@ def apply_group(mod: IRModule, gv, index: int, group: BindingGroup, check_build:
         first = str(e).strip().splitlines()[-1:] or [""]
         return mod, GroupReport(fused=False, reason=f"{type(e).__name__}: {first[0]}", **entry)
     return candidate, GroupReport(fused=True, reason=str(kernel.plan), kernel=name, **entry)
+
+
+def _checked_kernel(group: BindingGroup, rule, name: str, check_build: bool):
+    """The group's kernel on the tuning database's plan; one that does not build falls
+    back to the hand-written plan (a stale record never costs a model its fusion)."""
+    kernel = kernel_for(group, rule, name)
+    if not check_build:
+        return kernel
+    try:
+        check_kernel(kernel)
+        return kernel
+    except Exception:  # noqa: BLE001 - TVM's own error classes; the hand-written plan decides
+        if not kernel.tuned:
+            raise
+    kernel = kernel_for(group, rule, name, tuned=False)
+    check_kernel(kernel)
+    return kernel
 
 
 def _unlifted(fname: str, lifter: Lifter) -> list[GroupReport]:
@@ -131,12 +146,12 @@ def _cleanup(mod: IRModule, gv) -> IRModule:
     return candidate
 
 
-def _name(gv) -> str:
+def function_name(gv) -> str:
     return getattr(gv, "name_hint", None) or str(gv).split(".")[-1].strip('"')
 
 
 def _fresh(mod: IRModule, base: str) -> str:
-    taken = {_name(g) for g in mod.get_global_vars()}
+    taken = {function_name(g) for g in mod.get_global_vars()}
     k = 0
     while f"{base}_{k}" in taken:
         k += 1

@@ -17,7 +17,8 @@ import numpy as np
 from algebra import NotFusable, SpecError, derive
 from algebra.layout import Layout
 
-from ..lowering import build_primfunc, choose, geometry, signature
+from ..lowering import Geometry, build_primfunc, choose, geometry, signature
+from ..tune.search import tuned_plan
 from ..tvm_adapter import build, cpu_target, relax, with_root_block
 from .frag import Unliftable
 from .group import BindingGroup
@@ -45,10 +46,11 @@ class FusedFunc:
     inputs: tuple  # (spec name, Input, (R_in, L, F)) in the PrimFunc's order
     outputs: tuple  # (spec name, shape, dtype) in the PrimFunc's order
     plan: object
+    tuned: bool = False  # the plan came from the tuning database
 
 
-def kernel_for(group: BindingGroup, rule, name: str) -> FusedFunc:
-    """The PrimFunc of ``rule`` on the group's shapes (the array convention of layout.py)."""
+def group_geometry(group: BindingGroup, rule) -> Geometry:
+    """The kernel's shapes for the group's values (the array convention of layout.py)."""
     frag = group.frag
     names = sorted(s.name for s in (*rule.cascade.streams, *rule.cascade.params))
     arrays = {}
@@ -57,14 +59,23 @@ def kernel_for(group: BindingGroup, rule, name: str) -> FusedFunc:
         tail = (frag.n if inp.kind == "stream" else 1, frag.d if inp.vector else 1)
         arrays[nm] = np.broadcast_to(np.float32(0), inp.rows + tail)  # shapes only
     vector = frozenset(nm for nm in names if frag.inputs[nm].vector)
-    geo = geometry(rule, Layout(frag.frame, frag.n, frag.d, np.dtype(np.float32), arrays,
-                                vector))
-    plan = choose(rule, geo, target="cpu")
+    return geometry(rule, Layout(frag.frame, frag.n, frag.d, np.dtype(np.float32), arrays,
+                                 vector))
+
+
+def kernel_for(group: BindingGroup, rule, name: str, tuned: bool = True) -> FusedFunc:
+    """The PrimFunc of ``rule`` on the group's shapes, following the tuning database's
+    plan for them when it has one (``redfuser tune --model``; ``tuned=False``: the
+    hand-written plan)."""
+    geo = group_geometry(group, rule)
+    plan = tuned_plan(rule, geo, "cpu") if tuned else None
+    found = plan is not None
+    plan = plan or choose(rule, geo, target="cpu")
     func = _relax_callee(build_primfunc(rule, geo, plan, name, "cpu"))
-    inputs = tuple((nm, frag.inputs[nm], (g.count, g.length, g.width))
+    inputs = tuple((nm, group.frag.inputs[nm], (g.count, g.length, g.width))
                    for nm, g in sorted(geo.inputs.items()))
     outputs = tuple((a.name, a.shape, a.dtype) for a in signature(rule, geo).outputs)
-    return FusedFunc(name, func, inputs, outputs, plan)
+    return FusedFunc(name, func, inputs, outputs, plan, found)
 
 
 def _relax_callee(func):

@@ -17,7 +17,7 @@ bandwidth, and so would our kernels; measuring with them keeps the model honest)
   one lane: each add waits for the previous one): what a fold's recurrence costs.
 - ``launch``: seconds of a call that does almost nothing (thread-pool wake-up).
 
-Cached in ``cache_dir() / "machine.json"`` keyed by ``machine_id`` (CPU name, cores,
+Cached in ``cache_dir() / "machine.json"`` keyed by ``local_id`` (CPU name, cores,
 threads), through ``store`` (locked, atomic).  When the figures cannot be cached (the
 directory is not writable; the file is unusable: corrupt, foreign, of a newer version,
 and then left as it is) they are measured, used for the rest of the process, and one
@@ -100,12 +100,36 @@ class Machine:
         return Machine(**{**data, "bandwidth": bw})
 
 
+IDENTITY_ENV = "REDFUSER_MACHINE"  # names the machine whose tuning records compile reads
+
+
 def machine_id(target: str = "cpu") -> str:
-    """What a measurement is valid for: CPU name, cores and runtime threads (or the GPU).
+    """The identity tuning records are read and stored under: ``$REDFUSER_MACHINE`` when
+    set (e.g. the identity of a remote device that ``redfuser tune --rpc`` measured,
+    set on that device), else this machine's (``local_id``).
 
     Examples
     --------
-    >>> machine_id().count("/")
+    >>> import os
+    >>> saved = os.environ.pop(IDENTITY_ENV, None)
+    >>> machine_id() == local_id()
+    True
+    >>> os.environ[IDENTITY_ENV] = "rpc:board/llvm/4 threads"
+    >>> machine_id()
+    'rpc:board/llvm/4 threads'
+    >>> _ = os.environ.pop(IDENTITY_ENV) if saved is None else os.environ.update(
+    ...     {IDENTITY_ENV: saved})
+    """
+    return os.environ.get(IDENTITY_ENV) or local_id(target)
+
+
+def local_id(target: str = "cpu") -> str:
+    """What a measurement here is valid for: CPU name, cores and runtime threads (or the
+    GPU).
+
+    Examples
+    --------
+    >>> local_id().count("/")
     2
     """
     return MACHINE_IDS[target]()
@@ -126,7 +150,7 @@ def machine(target: str = "cpu", measure: bool = True) -> Machine:
     """This machine's figures: from the cache, else measured (about 2 s) and cached.
 
     ``measure=False`` returns nominal figures instead of measuring (quick estimates)."""
-    return FIGURES[target](machine_id(target), measure)
+    return FIGURES[target](local_id(target), measure)  # this machine's, whatever it reads
 
 
 def _cuda_figures(key: str, measure: bool) -> Machine:

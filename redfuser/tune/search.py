@@ -2,43 +2,42 @@
 the fastest, remember it.
 
 ``tune(rule, geo)`` enumerates ``space.space`` (every candidate a ``Plan``), predicts
-each with ``cost.predict`` on this machine's figures, builds and times the ``top``
-predicted candidates, the best predicted of each other variant (rolling, split,
-unfused: a wrong variant call by the model gets caught) and the hand-written plan
-(``lowering.choose``; it stays unless a candidate beats it by ``MARGIN``, so a tuned kernel
-is never slower than the untuned one by more than the noise), ``rounds`` times each,
-interleaved (a burst of noise on a shared machine hits every candidate alike), and
-keeps each candidate's best median.  The winner is stored in the tuning database
-(``db.TuningDB``) under the rule's canonical spec, the geometry, dtype, target and
-machine (a database that cannot be written costs a warning, never the search's result);
-``Kernel`` reads it on later compiles (``tuned_plan``), after checking the record
-against the schedule space (a stale or tampered record is ignored with a warning, never
-built).  A progress bar shows
-on a terminal; ``TuneResult.report()`` prints predicted vs measured per candidate.
+each with ``cost.predict``, builds and times the ``top`` predicted candidates, the best
+predicted of each other variant (rolling, split, unfused: a wrong variant call by the
+model gets caught) and the hand-written plan (``lowering.choose``; it stays unless a
+candidate beats it by ``MARGIN``, so a tuned kernel is never slower than the untuned one
+by more than the noise), ``rounds`` times each, a round at a time (a burst of noise on a
+shared machine hits every candidate alike), and keeps each candidate's best median.
+``prepare`` and ``run`` are its two halves (a whole model's cascades share one progress
+bar: ``relax.tuning``).  The winner is stored in the tuning database (``db.TuningDB``)
+under the rule's canonical spec, the geometry, dtype, target and the identity of the
+machine that measured (a database that cannot be written costs a warning, never the
+search's result); ``Kernel`` reads it on later compiles (``tuned_plan``), after checking
+the record against the schedule space (a stale or tampered record is ignored with a
+warning, never built).  A progress bar shows on a terminal; ``TuneResult.report()``
+prints predicted vs measured per candidate.
 
-Candidates are timed through a ``measure(geo, plan, repeat) -> ms`` callable: by default
-``runtime.time_plan`` (a fresh build on random inputs); ``Kernel`` passes its own, which
-caches the builds it then reuses.
+Candidates are timed by a ``measure.Measurer``: by default this machine, one after the
+other, through a ``measure(geo, plan, repeat) -> ms`` callable (``runtime.time_plan``, or
+a ``Kernel``'s own, which caches the builds it then reuses); ``pool.DevicePool`` times
+them on remote devices in parallel.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tqdm.auto import tqdm
 
 from ..lowering import Geometry, Plan, choose
-from ..runtime import time_plan
 from .cost import predict
 from .db import TuningDB, entry_key, record_problem
 from .machine import Machine, machine, machine_id
+from .measure import Measure, Measurer, local
 from .space import GEMM_FIELDS, plan_from_params, plan_params, same_plan, space
 from .store import DatabaseError, user_level
-
-Measure = Callable[[Geometry, Plan, int], float]  # (geometry, plan, repeat) -> milliseconds
 
 
 @dataclass
@@ -49,6 +48,7 @@ class Trial:
     predicted_ms: float
     measured_ms: float | None = None
     error: str = ""
+    device: str = ""  # where its best time was measured ("" for this machine)
 
 
 @dataclass
@@ -71,17 +71,22 @@ class TuneResult:
         """Predicted vs measured milliseconds of every measured candidate."""
         if self.cached:
             return f"from the tuning database: {describe(self.best)} ({self.best.reason})"
+        remote = any(t.device for t in self.trials)
         lines = [f"{len(self.measured)} of {self.candidates} candidates measured in "
                  f"{self.seconds:.1f} s (ranked by the cost model; * = kept)",
-                 f"  {'plan':<40} {'predicted':>10} {'measured':>10} {'meas/pred':>9}"]
+                 f"  {'plan':<40} {'predicted':>10} {'measured':>10} {'meas/pred':>9}"
+                 + ("  device" if remote else "")]
         for t in sorted(self.trials, key=lambda t: t.predicted_ms):
             if t.measured_ms is None and not t.error:
                 continue
             mark = "*" if same_plan(t.plan, self.best) else " "
-            meas = f"{t.measured_ms:8.3f}ms" if t.measured_ms is not None else t.error[:30]
-            ratio = f"{t.measured_ms / t.predicted_ms:9.2f}" if t.measured_ms else ""
+            meas = f"{t.measured_ms:8.3f}ms" if t.measured_ms is not None else "failed"
+            ratio = f"{t.measured_ms / t.predicted_ms:9.2f}" if t.measured_ms else " " * 9
+            where = f"  {t.device}" if remote and t.measured_ms is not None else ""
             lines.append(f"{mark} {describe(t.plan):<40} {t.predicted_ms:8.3f}ms {meas:>10} "
-                         f"{ratio}")
+                         f"{ratio}{where}")
+            if t.measured_ms is None:
+                lines.append(f"      {t.error[:200]}")
         return "\n".join(lines)
 
 
@@ -102,9 +107,10 @@ def describe(plan: Plan) -> str:
 
 
 def rank(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
-         variants: tuple[str, ...] | None = None,
-         figures: Machine | None = None) -> list[Trial]:
-    """Every candidate of the space with its predicted time, fastest first.
+         variants: tuple[str, ...] | None = None, figures: Machine | None = None,
+         threads: int | None = None) -> list[Trial]:
+    """Every candidate of the space (at ``threads``; default: this machine's) with its
+    predicted time, fastest first.
 
     Examples
     --------
@@ -117,17 +123,105 @@ def rank(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
     ('rolling', True)
     """
     figures = figures or machine(target)
-    plans = space(rule, geo, target, fast_math, variants).candidates()
+    plans = space(rule, geo, target, fast_math, variants, threads).candidates()
     trials = [Trial(p, predict(rule, geo, p, figures, target).ms) for p in plans]
     return sorted(trials, key=lambda t: t.predicted_ms)
+
+
+@dataclass
+class Search:
+    """A prepared search (``prepare``): the ranked space, the candidates to time (the
+    hand-written plan last) and where (``measure.Measurer``); ``run`` times them."""
+
+    rule: object
+    geo: Geometry
+    target: str
+    fast_math: bool
+    trials: list[Trial]
+    chosen: list[Trial]
+    where: Measurer
+    repeat: int
+    rounds: int
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def runs(self) -> int:
+        """Measurements the search makes (what its progress bar counts)."""
+        return len(self.chosen) * self.rounds
+
+
+def prepare(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5,
+            rounds: int = 2, fast_math: bool = True, variants: tuple[str, ...] | None = None,
+            figures: Machine | None = None, where: Measurer | None = None,
+            measure: Measure | None = None) -> Search:
+    """Rank the space of ``rule`` at ``geo`` and pick what to time: the ``top`` predicted
+    candidates, the best predicted of every other variant and the hand-written plan, at
+    the thread count of the machine that measures (``where``; default: this one, through
+    ``measure``).  The model ranks with ``figures`` (default: this machine's) at that
+    thread count.
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.tune.machine import nominal_cpu
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("softmax")
+    >>> s = prepare(rule, shape_geometry(rule, {"x": (8, 256)}), top=2, rounds=3,
+    ...             figures=nominal_cpu())
+    >>> s.chosen[-1].plan.reason, s.runs == 3 * len(s.chosen)
+    ('hand-written', True)
+    """
+    if top < 1 or repeat < 1 or rounds < 1:
+        raise ValueError("top, repeat and rounds must be positive integers")
+    if where is not None and measure is not None:
+        raise ValueError("give measure (timed here) or where (a Measurer), not both")
+    started = time.perf_counter()
+    where = where or local(rule, target, measure)
+    figures = figures or machine(target)
+    if figures.threads != where.threads:
+        figures = replace(figures, threads=where.threads)
+    trials = rank(rule, geo, target, fast_math, variants, figures, where.threads)
+    chosen = _to_measure(trials, rule, geo, target, fast_math, top, where.threads)
+    return Search(rule, geo, target, fast_math, trials, chosen, where, repeat, rounds, started)
+
+
+def run(search: Search, bar: tqdm | None = None) -> TuneResult:
+    """Time the chosen candidates ``rounds`` times (``bar``: advanced once per
+    measurement) and keep the fastest; nothing is stored (``tune`` stores)."""
+    _measure(search, bar)
+    done = [t for t in search.chosen if t.measured_ms is not None]
+    if not done:
+        raise RuntimeError("no candidate could be built and timed: " +
+                           "; ".join(t.error for t in search.chosen))
+    hand = search.chosen[-1]
+    win = _winner(done, hand if hand.measured_ms is not None else None)
+    best = replace(win.plan, reason=f"tuned: {win.measured_ms:.3f} ms measured, best of "
+                                    f"{len(done)} (model {win.predicted_ms:.3f} ms)")
+    seconds = time.perf_counter() - search.started
+    rule, geo = search.rule, search.geo
+    key = entry_key(rule, geo, search.target, search.where.identity, search.fast_math)
+    return TuneResult(best, search.trials, seconds, len(search.trials), key=key,
+                      record={"plan": plan_params(win.plan), "measured_ms": win.measured_ms,
+                              "predicted_ms": win.predicted_ms,
+                              "candidates": len(search.trials), "measured": len(done),
+                              "seconds": round(seconds, 3)})
+
+
+def progress_bar(total: int, progress: bool = True) -> tqdm:
+    """The search's progress bar (shown on a terminal only, gone when closed)."""
+    return tqdm(total=total, desc="tuning", unit="run", leave=False,
+                disable=None if progress else True)
 
 
 def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5,
          rounds: int = 2, fast_math: bool = True, variants: tuple[str, ...] | None = None,
          db: TuningDB | None | bool = None, progress: bool = True,
-         measure: Measure | None = None, figures: Machine | None = None) -> TuneResult:
+         measure: Measure | None = None, figures: Machine | None = None,
+         where: Measurer | None = None) -> TuneResult:
     """Search the schedule of ``rule`` at ``geo``: rank, measure the ``top`` few and the
-    hand-written plan, keep the fastest and store it (``db=False``: do not store).
+    hand-written plan (here, or on ``where``: e.g. ``pool.DevicePool.measurer``), keep
+    the fastest and store it under the measuring machine's identity (``db=False``: do not
+    store).
 
     Examples
     --------
@@ -143,43 +237,37 @@ def tune(rule, geo: Geometry, target: str = "cpu", top: int = 4, repeat: int = 5
     True
     >>> tmp.cleanup()
     """
-    if top < 1 or repeat < 1 or rounds < 1:
-        raise ValueError("top, repeat and rounds must be positive integers")
-    start = time.perf_counter()
-    measure = measure or (lambda g, plan, rep: time_plan(rule, g, plan, target, rep))
-    trials = rank(rule, geo, target, fast_math, variants, figures)
-    chosen = _to_measure(trials, rule, geo, target, fast_math, top)
-    _measure(measure, geo, chosen, repeat, rounds, progress)
-    done = [t for t in chosen if t.measured_ms is not None]
-    if not done:
-        raise RuntimeError("no candidate could be built and timed: " +
-                           "; ".join(t.error for t in chosen))
-    win = _winner(done, chosen[-1] if any(t is chosen[-1] for t in done) else None)
-    best = replace(win.plan, reason=f"tuned: {win.measured_ms:.3f} ms measured, best of "
-                                    f"{len(done)} (model {win.predicted_ms:.3f} ms)")
-    seconds = time.perf_counter() - start
-    result = TuneResult(best, trials, seconds, len(trials),
-                        key=entry_key(rule, geo, target, machine_id(target), fast_math),
-                        record={"plan": plan_params(win.plan), "measured_ms": win.measured_ms,
-                                "predicted_ms": win.predicted_ms, "candidates": len(trials),
-                                "measured": len(done), "seconds": round(seconds, 3)})
+    search = prepare(rule, geo, target, top, repeat, rounds, fast_math, variants, figures,
+                     where, measure)
+    bar = progress_bar(search.runs, progress)
+    try:
+        result = run(search, bar)
+    finally:
+        bar.close()
     if db is not False:
-        try:
-            store(db or TuningDB(), result)
-        except (DatabaseError, ValueError) as e:
-            warnings.warn(f"redfuser: the tuned plan was not stored: {e}", RuntimeWarning,
-                          stacklevel=user_level())
+        store_or_warn(db or TuningDB(), result)
     return result
 
 
-def _to_measure(trials, rule, geo, target, fast_math, top) -> list[Trial]:
+def store_or_warn(db: TuningDB, result: TuneResult) -> None:
+    """``store``, with a warning instead of an error: a database that cannot be written
+    costs the record, never the search's result."""
+    try:
+        store(db, result)
+    except (DatabaseError, ValueError) as e:
+        warnings.warn(f"redfuser: the tuned plan was not stored: {e}", RuntimeWarning,
+                      stacklevel=user_level())
+
+
+def _to_measure(trials, rule, geo, target, fast_math, top, threads=None) -> list[Trial]:
     """The ``top`` predicted candidates, the best predicted of every other variant (so a
     wrong variant call by the model is caught) and the hand-written plan (the baseline)."""
     chosen = trials[:top]
     for variant in dict.fromkeys(t.plan.variant for t in trials):
         if not any(t.plan.variant == variant for t in chosen):
             chosen.append(next(t for t in trials if t.plan.variant == variant))
-    hand = choose(rule, geo, target=target, fast_math=fast_math)
+    hand = replace(choose(rule, geo, target=target, fast_math=fast_math, threads=threads),
+                   reason="hand-written")
     match = [t for t in trials if same_plan(t.plan, hand)] or [Trial(hand, float("nan"))]
     return [t for t in chosen if t is not match[0]] + match[:1]  # the hand-written one last
 
@@ -196,25 +284,20 @@ def _winner(done: list[Trial], hand: Trial | None) -> Trial:
     return win
 
 
-def _measure(measure: Measure, geo: Geometry, chosen: list[Trial], repeat: int, rounds: int,
-             progress: bool) -> None:
-    """Build and time every chosen candidate ``rounds`` times, interleaved; keep the best."""
-    bar = tqdm(total=len(chosen) * rounds, desc="tuning", unit="run", leave=False,
-               disable=None if progress else True)
-    try:
-        for _ in range(rounds):
-            for t in chosen:
-                bar.update(1)
-                if t.error:
-                    continue
-                try:
-                    ms = measure(geo, t.plan, repeat)
-                except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped
-                    t.error = f"{type(e).__name__}: {e}".splitlines()[0]
-                    continue
-                t.measured_ms = ms if t.measured_ms is None else min(t.measured_ms, ms)
-    finally:
-        bar.close()
+def _measure(search: Search, bar: tqdm | None) -> None:
+    """Time every chosen candidate ``rounds`` times, a round at a time (a burst of noise on
+    a shared machine hits every candidate alike); keep each one's best."""
+    tick = bar.update if bar is not None else (lambda n=1: None)
+    for _ in range(search.rounds):
+        todo = [t for t in search.chosen if not t.error]
+        tick(len(search.chosen) - len(todo))  # failed before: not timed again
+        outcomes = search.where.run(search.geo, [t.plan for t in todo], search.repeat,
+                                    lambda: tick(1))
+        for t, got in zip(todo, outcomes, strict=True):
+            if got.ms is None:
+                t.error = got.error
+            elif t.measured_ms is None or got.ms < t.measured_ms:
+                t.measured_ms, t.device = got.ms, got.device
 
 
 def store(db: TuningDB, result: TuneResult) -> str:
