@@ -3,12 +3,13 @@
 sympy only: nothing here imports TVM.
 """
 
+from .cascade import Cascade
 from .errors import NotFusable, SpecError
 from .library import LIBRARY
 from .pipeline import derive
 from .reference import reference
 from .rule import FusionRule
-from .spec import Cascade, parse
+from .spec import parse
 
 __all__ = ["LIBRARY", "Cascade", "FusionRule", "NotFusable", "SpecError", "derive", "parse",
            "reference"]

@@ -30,10 +30,10 @@ from enum import Enum
 import numpy as np
 import sympy as sp
 
+from .cascade import Reduction
 from .functions import Maximum, Minimum
 from .numeric import compile_expr
 from .prove import Obligation
-from .spec import Reduction
 
 U = sp.Dummy("u", real=True)  # the stream quantity g(x) inside F(g, a): no spec name is it
 INDEX_SENTINEL = np.iinfo(np.int64).max  # "no index yet": loses every tie

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from .addition import ADDITION_LAWS, rotation
+from .cascade import POSITION, Cascade, N, Reduction
 from .components import (
     Component,
     LinearComponent,
@@ -37,7 +38,6 @@ from .separate import (
     multiplicative_split,
     taylor_indices,
 )
-from .spec import POSITION, Cascade, N, Reduction
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,11 @@ class SpecError(ValueError):
         where = f"line {line}, column {col}: " if line is not None else ""
         super().__init__(where + message)
 
+    @classmethod
+    def at(cls, node: object, message: str) -> SpecError:
+        """The error at an ``ast`` node's position (1-based column, as editors count)."""
+        return cls(message, getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1)
+
 
 class NotFusable(ValueError):
     """A cascade the engine cannot fuse exactly: names the reduction, sub-expression and why."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cascade import INDEX, LENGTH
 from .components import INDEX_KEY
 from .layout import Layout, resolve, to_user
 from .numeric import compile_expr
-from .spec import INDEX, LENGTH
 
 
 def _bounds(chunks, n: int) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ from numbers import Number
 
 import numpy as np
 
-from .spec import LENGTH, Cascade, carries_feature_axis
+from .cascade import LENGTH, Cascade, carries_feature_axis
 
 
 @dataclass(frozen=True)

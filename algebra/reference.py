@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import sympy as sp
 
+from .cascade import INDEX, LENGTH, Cascade
 from .layout import resolve, to_user
 from .library import resolve_spec
 from .numeric import compile_expr
-from .spec import INDEX, LENGTH, Cascade, parse
+from .spec import parse
 
 F64 = np.dtype(np.float64)
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import sympy as sp
 
+from .cascade import INDEX, Cascade
 from .components import Component, LinearComponent, StateVar, primed
 from .interpret import run
 from .numeric import compile_expr
 from .prove import Obligation
-from .spec import INDEX, Cascade
 from .stash import Stash, stashes, tile_anchor
 
 

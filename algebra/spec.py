@@ -11,10 +11,21 @@ from __future__ import annotations
 
 import ast
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy as sp
 
+from .cascade import (
+    INDEX,
+    LENGTH,
+    POSITION,
+    Cascade,
+    N,
+    Reduction,
+    Shape,
+    carries_feature_axis,
+    epilogue_assumptions,
+)
 from .errors import NotFusable, SpecError
 from .functions import COMPARISONS, CONNECTIVES, FUNCTIONS, Dot
 from .laws import LAWS
@@ -32,97 +43,12 @@ from .limits import (
 from .names import fresh, spec_names
 from .selects import MAX_CONDITIONS, conditions, lift
 
-INDEX, LENGTH = "i", "N"  # the stream index and the stream length
-N = sp.Symbol(LENGTH, positive=True, integer=True)
-POSITION = sp.Symbol(INDEX, nonnegative=True, integer=True)
 CONSTANTS = {"pi": sp.pi, "inf": sp.oo}
 OUT = "out"  # kernels take their preallocated outputs as out=: no input may be named so
-COUNT_BASE = "n"  # the running count of elements: n, unless the spec itself uses that name
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Shape of a per-element or per-row value: vec True/False/None(unknown), or k values."""
-
-    vec: bool | None = False
-    k: int | None = None
-
-    def join(self, other: Shape, node: ast.AST) -> Shape:
-        if self.k and other.k and self.k != other.k:
-            _fail(node, f"shape mismatch: {self.k} values combined with {other.k} values")
-        if (self.k and other.vec) or (other.k and self.vec):
-            _fail(node, "shape mismatch: top-k values combined with a feature-axis vector")
-        unknown = None in (self.vec, other.vec)
-        vec = True if (self.vec or other.vec) else (None if unknown else False)
-        return Shape(vec, self.k or other.k)
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """One reduction over the stream: ``name = op(body[, k])``; anchors are earlier results."""
-
-    name: str
-    op: str
-    body: sp.Expr
-    k: int | None
-    anchors: tuple[sp.Symbol, ...]
-    line: int
-    col: int
-
-    @property
-    def symbol(self) -> sp.Symbol:
-        return sp.Symbol(self.name, **_result_assumptions(self.op, self.body))
-
-
-@dataclass(frozen=True)
-class Cascade:
-    """A lifted spec: inputs, reductions in dependence order, epilogues and per-element outputs."""
-
-    text: str
-    streams: tuple[sp.Symbol, ...]
-    params: tuple[sp.Symbol, ...]
-    vector_inputs: frozenset[str]
-    reductions: tuple[Reduction, ...]
-    epilogues: dict[str, sp.Expr]  # result name -> expression over reduction results
-    elementwise: dict[str, sp.Expr]  # per-element output -> expression over streams/results
-    outputs: tuple[str, ...]  # spec order
-    shapes: dict[str, Shape] = field(default_factory=dict)
-    names: frozenset[str] = frozenset()  # every name the spec spells (and its hidden results)
-
-    @property
-    def count(self) -> sp.Symbol:
-        """The running count of elements folded into a state (N at the end), named fresh
-        against the spec's names."""
-        return sp.Symbol(fresh(COUNT_BASE, set(self.names)), integer=True, nonnegative=True)
-
-    def taken(self) -> set[str]:
-        """The names no invented state column may take: the spec's and the count's."""
-        return set(self.names) | {self.count.name}
-
-    @property
-    def results(self) -> dict[str, sp.Symbol]:
-        """Every named per-row value (reductions and epilogues) as its sympy symbol."""
-        syms = {r.name: r.symbol for r in self.reductions}
-        for name, expr in self.epilogues.items():
-            syms[name] = sp.Symbol(name, **_epilogue_assumptions(expr))
-        return syms
-
-
-def _result_assumptions(op: str, body: sp.Expr) -> dict:
-    law = LAWS[op]
-    if law.returns in ("index", "indices_k"):
-        return {"integer": True, "nonnegative": True}
-    if body.is_positive and law.family in ("linear", "multiplicative", "selecting"):
-        return {"positive": True}
-    return {"real": True}
-
-
-def _epilogue_assumptions(expr: sp.Expr) -> dict:
-    return {"positive": True} if expr.is_positive else {"real": True}
 
 
 def _fail(node: ast.AST, message: str):
-    raise SpecError(message, getattr(node, "lineno", 1), getattr(node, "col_offset", 0) + 1)
+    raise SpecError.at(node, message)
 
 
 @dataclass
@@ -215,7 +141,7 @@ class _Lifter:
         elif val.reduces and not streamed:
             self.epilogues[name] = val.expr
             self.outputs.append(name)
-            sym = sp.Symbol(name, **_epilogue_assumptions(val.expr))
+            sym = sp.Symbol(name, **epilogue_assumptions(val.expr))
             self.defined[name] = _Val(sym, val.shape, True)
             self.shapes[name] = val.shape
             return
@@ -251,7 +177,7 @@ class _Lifter:
         if body.shape.k:
             _fail(call.args[0], f"{op}() over top-k values: reduce the stream, not a result")
         results = {r.symbol for r in self.reductions} | {
-            sp.Symbol(n, **_epilogue_assumptions(e)) for n, e in self.epilogues.items()}
+            sp.Symbol(n, **epilogue_assumptions(e)) for n, e in self.epilogues.items()}
         anchors = tuple(sorted(body.expr.free_symbols & results, key=str))
         red = Reduction(name, op, body.expr, k, anchors, call.lineno, call.col_offset + 1)
         self.reductions.append(red)
@@ -475,15 +401,6 @@ def _undefined(value: sp.Expr) -> bool:
     if value.has(sp.zoo, sp.nan, sp.I):
         return True
     return any(n.is_number and n.is_extended_real is False for n in sp.preorder_traversal(value))
-
-
-def carries_feature_axis(expr: sp.Expr, vector: set[str] | frozenset[str]) -> bool:
-    """Does ``expr`` read a feature-axis vector (outside a dot product, which collapses it)?"""
-    if type(expr).__name__ == "Dot":
-        return False
-    if expr.is_Symbol:
-        return expr.name in vector
-    return any(carries_feature_axis(a, vector) for a in expr.args)
 
 
 def _target_name(stmt: ast.stmt) -> str:

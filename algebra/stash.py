@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from .cascade import INDEX, Cascade
 from .components import LinearComponent
 from .names import fresh
 from .prove import Obligation
-from .spec import INDEX, Cascade
 
 STASH_LAW = "stash: the output is the stashed basis value times an element-free factor"
 TILE_MARK = "_t"  # m_t: the anchor m at a tile

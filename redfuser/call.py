@@ -20,9 +20,9 @@ from numbers import Number
 
 import numpy as np
 
+from algebra.cascade import LENGTH
 from algebra.layout import Layout, vector_results
 from algebra.rule import FusionRule
-from algebra.spec import LENGTH
 
 from .lowering import FUNC_NAME, Geometry, signature
 from .runtime import Built

@@ -24,8 +24,8 @@ from numbers import Number
 import numpy as np
 
 from algebra import FusionRule, derive
+from algebra.cascade import LENGTH
 from algebra.layout import resolve
-from algebra.spec import LENGTH
 
 from .call import (
     CallPlan,

@@ -22,10 +22,10 @@ from contextlib import contextmanager
 
 import sympy as sp
 
+from algebra.cascade import INDEX, LENGTH
 from algebra.components import LinearComponent, SelectComponent, primed
 from algebra.rule import FusionRule
 from algebra.skip import skip_conditions
-from algebra.spec import INDEX, LENGTH
 from algebra.stash import tile_anchor
 
 from ..tvm_adapter import LEAVES, T, tirx

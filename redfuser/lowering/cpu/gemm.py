@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from algebra.cascade import INDEX
 from algebra.rule import FusionRule
-from algebra.spec import INDEX
 
 from ...tvm_adapter import T, tirx
 from ..emitter import Emitter
