@@ -137,7 +137,8 @@ def cache(tmp_path, monkeypatch):
 SOFTMAX = {"x": (8, 256)}
 
 
-def test_tuning_over_the_pool_uses_both_servers_and_stores_the_remote_identity(pool, capsys):
+def test_tuning_over_the_pool_uses_both_servers_and_stores_the_remote_identity(pool, capsys,
+                                                                              monkeypatch):
     pool.wait_free(2)
     code = main(["tune", "softmax", "--shape", "x=8x256", "--rpc", pool.address, "--key",
                  KEY, "--variant", "rolling", "--top", "2", "--repeat", "2", "--rounds", "1"])
@@ -153,7 +154,7 @@ def test_tuning_over_the_pool_uses_both_servers_and_stores_the_remote_identity(p
     rule, x = rule_for("softmax"), np.random.default_rng(0).normal(size=(8, 256))
     x = x.astype(np.float32)
     assert "tuned" not in redfuser.compile(rule).prepare(x=x).plan.reason  # not ours
-    os.environ[IDENTITY_ENV] = identity  # (the fixture's monkeypatch removes it)
+    monkeypatch.setenv(IDENTITY_ENV, identity)  # undone after the test
     kernel = redfuser.compile(rule)
     assert_matches(kernel(x=x)["y"], redfuser.reference("softmax", {"x": x})["y"], 1e-5, 1e-7)
     assert kernel.plan == record_plan(record, rule, shape_geometry(rule, SOFTMAX))
