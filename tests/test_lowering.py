@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import redfuser
+from redfuser.lowering.cpu.plan import PARALLEL_MIN_WORK
 from redfuser.tvm_adapter import nvcc_compile, structural_equal
 
 VARIANTS = ("rolling", "split", "unfused")
@@ -78,12 +79,23 @@ def test_variance_with_offset_stays_accurate_in_float32():
 
 def test_the_plan_picks_split_for_few_long_rows():
     kernel = redfuser.compile("softmax")
-    x = rng.normal(size=(1, 20000)).astype(np.float32)
+    x = rng.normal(size=(1, 2 * PARALLEL_MIN_WORK)).astype(np.float32)
     assert_matches(kernel(x=x), redfuser.reference("softmax", {"x": x}))
     assert kernel.plan.variant == "split" and kernel.plan.splits > 1
-    kernel(x=rng.normal(size=(64, 100)).astype(np.float32))
+    kernel(x=rng.normal(size=(64, 1000)).astype(np.float32))
     assert kernel.plan.variant == "rolling"
-    assert "rows" in kernel.plan.reason
+    assert "rows in parallel" in kernel.plan.reason
+
+
+@pytest.mark.parametrize("shape", [(1, 256), (1, 20000), (16, 1024)])
+def test_work_too_small_to_share_runs_on_one_thread(shape):
+    """A parallel launch costs more than such a kernel (PARALLEL_MIN_WORK): no split, no
+    parallel loop, the same values."""
+    kernel = redfuser.compile("softmax")
+    x = rng.normal(size=shape).astype(np.float32)
+    assert_matches(kernel(x=x), redfuser.reference("softmax", {"x": x}))
+    assert kernel.plan.variant == "rolling" and "one thread" in kernel.plan.reason
+    assert "T.parallel" not in kernel.source()
 
 
 @pytest.mark.parametrize("name, inputs", [
@@ -102,7 +114,7 @@ def test_rows_sharing_a_stream_fold_in_blocks(name, inputs, variant):
 
 
 def test_unfused_has_one_loop_nest_per_reduction_and_fused_one():
-    x = np.zeros((4, 64), np.float32)
+    x = np.zeros((4, PARALLEL_MIN_WORK // 4), np.float32)  # enough work for parallel nests
     fused, unfused = (redfuser.compile("softmax", variant=v) for v in ("rolling", "unfused"))
     fused(x=x)
     unfused(x=x)

@@ -24,7 +24,7 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC
     >>> import redfuser
     >>> from redfuser.lowering import choose, shape_geometry
     >>> rule = redfuser.derive("softmax")
-    >>> geo = shape_geometry(rule, {"x": (4, 64)})
+    >>> geo = shape_geometry(rule, {"x": (64, 1024)})
     >>> func = build_primfunc(rule, geo, choose(rule, geo))
     >>> "T.parallel" in func.script()  # rows in parallel: the CPU's rolling nest
     True

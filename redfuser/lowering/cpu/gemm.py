@@ -41,7 +41,7 @@ from ..plan import Plan
 from ..products import Product, products, without
 from ..signature import F32, I64
 from ..texpr import const
-from .plan import LANES, REGISTER_SCOPE
+from .plan import LANES, REGISTER_SCOPE, rows_loop
 
 
 def _round_up(value: int, step: int) -> int:
@@ -73,7 +73,7 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
     pieces = -(-geo.n // plan.kc)
     work = workspace(rest, geo, geo.r * pieces) if rest.components else None
     tasks = max(plan.nt, 1)
-    with T.parallel(0, -(-geo.r // plan.mc) * tasks) as t:
+    with rows_loop(geo)(0, -(-geo.r // plan.mc) * tasks) as t:
         b, task = tirx.floordiv(t, tasks), tirx.floormod(t, tasks)
         row0 = T.bind(tirx.Cast(I64, b) * plan.mc)
         rows = T.bind(tirx.min(tirx.const(geo.r, I64) - row0, plan.mc))
@@ -92,7 +92,7 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
             for p, a in zip(found, packed_a, strict=True):
                 blocks = _Blocks(plan, geo, row0, rows, k0, length, piece == 0)
                 blocks.product(bufs[p.weight], a, packed_b, sums[p.state], task)
-    with T.parallel(0, geo.r) as r:
+    with rows_loop(geo)(0, geo.r) as r:
         st = _merged(em_rest, work, r, pieces)
         _results(em, geo, found, sums, st, r, results)
         em.elementwise(r, elementwise)

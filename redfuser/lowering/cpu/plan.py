@@ -18,7 +18,7 @@ from algebra.components import LinearComponent, SelectComponent
 from algebra.functions import Dot
 from algebra.rule import FusionRule
 
-from ...tvm_adapter import default_threads
+from ...tvm_adapter import T, default_threads
 from ..geometry import Geometry, component_exprs
 from ..plan import Plan, check_variant
 from ..products import products, without
@@ -46,6 +46,11 @@ KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. atten
 ROW_BLOCK, BLOCK_TILE = 8, 32
 BLOCK_MIN_ELEMENTS = 8192  # 32 KB of float32: a shared stream smaller than L1 is cheap to reread
 MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it saves
+# Work (rows x N x D elements) below which a kernel runs on the calling thread: a parallel
+# launch costs microseconds on an idle machine and hundreds of them on a loaded one, where
+# the workers wait for a core (softmax 1 x 256: 0.7 us of kernel; 16 x 1024 with two busy
+# cores: 840 us parallel, 19 us serial).  torch's intra-op grain size is the same 32768.
+PARALLEL_MIN_WORK = 32768
 # The GEMM micro-kernel and its cache blocks (``gemm.py``): name -> (value, why).  The
 # machine: AMD EPYC Zen 5, two 512-bit FMA pipes (4-cycle latency), 32 zmm registers,
 # 48 KB L1d and 1 MB L2 per core.
@@ -109,6 +114,16 @@ def stash_applies(rule: FusionRule, geo: Geometry, plan: Plan) -> bool:
             plan.lanes > 1 and plan.tile > 1 and geo.n // step == 1 and lane_aligned(rule))
 
 
+def one_thread(geo: Geometry) -> bool:
+    """Is the work too small to share between threads (``PARALLEL_MIN_WORK``)?"""
+    return geo.r * geo.n * max(geo.d, 1) < PARALLEL_MIN_WORK
+
+
+def rows_loop(geo: Geometry):
+    """The loop over rows (or row tasks) of a kernel: serial under ``PARALLEL_MIN_WORK``."""
+    return T.serial if one_thread(geo) else T.parallel
+
+
 def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
            splits: int | None = None, threads: int | None = None,
            fast_math: bool = True) -> Plan:
@@ -126,7 +141,7 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
         return Plan("unfused", lanes, 1, fast_math, "requested: one pass per reduction",
                     tile=tile, row_block=block)
     idle = geo.r < threads
-    long = geo.n >= 2 * MIN_SPLIT_ELEMENTS
+    long = geo.n >= 2 * MIN_SPLIT_ELEMENTS and not one_thread(geo)
     if variant == "split" or (variant is None and idle and long):
         s = splits or max(2, min(geo.n // MIN_SPLIT_ELEMENTS, 4 * threads // max(geo.r, 1)))
         s = max(1, min(s, geo.n))
@@ -135,8 +150,10 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
         return Plan("split", lanes, s, fast_math, why, tile=tile_for(rule, lanes, -(-geo.n // s)))
     why = "requested" if variant else (f"{geo.r} rows >= {threads} threads" if not idle else
                                        f"N = {geo.n} too short to split")
+    rows = ("one thread (less work than PARALLEL_MIN_WORK)" if one_thread(geo) else
+            "rows in parallel")
     block = row_block_for(geo, lanes, threads)
-    plan = Plan("rolling", lanes, 1, fast_math, why + "; rows in parallel, one pass each",
+    plan = Plan("rolling", lanes, 1, fast_math, f"{why}; {rows}, one pass each",
                 tile=BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n), row_block=block)
     if stash_applies(rule, geo, plan):
         plan = dataclasses.replace(plan, reason=plan.reason + "; per-element outputs stashed "

@@ -23,7 +23,14 @@ from ..products import products
 from ..registers import Const0, States
 from ..signature import I64
 from . import gemm, tiles
-from .plan import LANES, REGISTER_SCOPE, lane_aligned, stash_applies, vector_lanes
+from .plan import (
+    LANES,
+    REGISTER_SCOPE,
+    lane_aligned,
+    rows_loop,
+    stash_applies,
+    vector_lanes,
+)
 
 
 def _emitter(rule, geo, plan, bufs, rowvals) -> Emitter:
@@ -74,7 +81,7 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
         return _rolling_blocks(em, geo, plan, results, elementwise)
     if elementwise and stash_applies(rule, geo, plan):
         em.stash_into(elementwise, plan.lanes * plan.tile)
-    with T.parallel(0, geo.r) as r:
+    with rows_loop(geo)(0, geo.r) as r:
         st = em.states(2 * plan.lanes)
         for lane in range(plan.lanes):
             st.init(lane)
@@ -88,7 +95,7 @@ def _rolling_blocks(em: Emitter, geo: Geometry, plan: Plan, results, elementwise
     the block at once (``tiles.tile_rows``).  The last block repeats the last row where the
     rows do not divide evenly (same values written twice by one thread)."""
     size, block = plan.tile, plan.row_block
-    with T.parallel(0, -(-geo.r // block)) as b:
+    with rows_loop(geo)(0, -(-geo.r // block)) as b:
         rows = [T.bind(tirx.min(b * block + j, geo.r - 1)) for j in range(block)]
         sts = [em.states(2) for _ in rows]
         for st in sts:
@@ -107,7 +114,7 @@ def split(rule, geo, plan, bufs, results, elementwise):
     em = _emitter(rule, geo, plan, bufs, results)
     s, chunk = plan.splits, -(-geo.n // plan.splits)
     work = workspace(rule, geo, geo.r * s)
-    with T.parallel(0, geo.r * s) as rs:
+    with rows_loop(geo)(0, geo.r * s) as rs:
         r, piece = tirx.floordiv(rs, s), tirx.floormod(rs, s)
         st = em.states(2 * plan.lanes)
         for lane in range(plan.lanes):
@@ -116,7 +123,7 @@ def split(rule, geo, plan, bufs, results, elementwise):
         length = tirx.max(tirx.min(tirx.const(geo.n, I64) - start, chunk), 0)
         _fold(em, st, r, start, length, plan.lanes, plan.tile)
         copy_state(st, work, 0, rs, to_work=True)
-    with T.parallel(0, geo.r) as r:
+    with rows_loop(geo)(0, geo.r) as r:
         st = em.states(2)
         copy_state(st, work, 0, r * s, to_work=False)
         with T.serial(1, s) as piece:
@@ -136,7 +143,7 @@ def unfused(rule, geo, plan, bufs, results, elementwise):
         rolling(stage, geo, dataclasses.replace(plan, lanes=lanes, row_block=blocks), bufs,
                 result, {}, rowvals=rowvals)
     em = _emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
-    with T.parallel(0, geo.r) as r:
+    with rows_loop(geo)(0, geo.r) as r:
         store_results(em, r, results)
         em.elementwise(r, elementwise)
 
