@@ -141,6 +141,16 @@ def test_topk_kernels_match_the_oracle_with_ties_and_infinities(data, n, rows, v
     check(kernel(x=x), redfuser.reference(spec, {"x": x}), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("variant", ["rolling", "split", "unfused"])
+def test_topk_of_a_monotone_body_ranks_its_core_in_every_variant(variant):
+    """exp(x - m) / d rounds to equal float32 values for x = 0 and 1e-11; the float64 oracle
+    tells them apart, and so does ranking x itself (the unfused baseline ranked the
+    rounded values: hypothesis found it)."""
+    x = np.array([[0.0] + [1e-11] * 7, [1e-11] * 7 + [0.0]], np.float32)
+    kernel = redfuser.compile("moe_routing", variant=variant, tune=False)
+    check(kernel(x=x), redfuser.reference("moe_routing", {"x": x}), rtol=1e-5, atol=1e-7)
+
+
 def test_a_values_only_selection_reads_its_indexed_twin():
     rule = rule_for("moe_routing")
     comps, aliases = folded(rule)

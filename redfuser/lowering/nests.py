@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from algebra.components import SelectComponent
 from algebra.derive import derive_components, running_values
 from algebra.rule import FusionRule
 
@@ -32,12 +33,17 @@ def copy_state(st: States, work: dict, lane, row, to_work: bool):
 
 
 def stage_rule(rule: FusionRule, index: int) -> FusionRule:
-    """Reduction ``index`` alone, reading earlier results as per-row parameters."""
+    """Reduction ``index`` alone, reading earlier results as per-row parameters.  A
+    selection keeps the fused rule's core: ``argtopk(exp(x - m) / d)`` ranks ``x`` (the
+    monotone commutation), since the float32 values of the body tie where the float64
+    oracle's do not (exp(-1e-11) rounds to 1)."""
     c = rule.cascade
     red = dataclasses.replace(c.reductions[index], anchors=())
     cascade = dataclasses.replace(c, reductions=(red,), epilogues={}, elementwise={},
                                   outputs=(red.name,))
-    comps = derive_components(cascade)
+    fused = next(comp for comp in rule.components if comp.reduction.name == red.name)
+    comps = ((dataclasses.replace(fused, anchors=()),) if isinstance(fused, SelectComponent)
+             else derive_components(cascade))
     return FusionRule(cascade, comps, running_values(cascade, comps), ())
 
 

@@ -50,17 +50,19 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
             em.update(st, 0, start + t, r)
         return
     aligned = tile > 1 and lanes > 1 and lane_aligned(em.rule)
+    known = length.value if isinstance(length, tirx.IntImm) else None  # a static length
     first = 0
-    if tile > 1 and isinstance(length, tirx.IntImm) and length.value >= step:
+    if tile > 1 and known is not None and known >= step:
         tiles.tile(em, st, r, start, lanes, tile, aligned, first=True)
-        first = 1  # a static length with a whole tile: peel it (no merge into the identity)
-    with T.serial(first, tirx.floordiv(length, step)) as c:
-        base = start + c * step
-        if tile > 1:
-            tiles.tile(em, st, r, base, lanes, tile, aligned)
-        else:
-            with T.vectorized(0, lanes) as lane:
-                em.update(st, lane, base + lane, r)
+        first = 1  # a whole tile: peel it (no merge into the identity)
+    if known is None or known // step > first:  # loops known to be empty are not emitted
+        with T.serial(first, tirx.floordiv(length, step)) as c:  # (LLVM compiles them)
+            base = start + c * step
+            if tile > 1:
+                tiles.tile(em, st, r, base, lanes, tile, aligned)
+            else:
+                with T.vectorized(0, lanes) as lane:
+                    em.update(st, lane, base + lane, r)
     half = lanes // 2
     while half >= 1:  # a tree: log2(lanes) dependent merges, each vectorized over half
         with (T.vectorized(0, half) if half > 1 else Const0()) as lane:
@@ -69,8 +71,9 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
     if em.stash_end:
         em.keep_stash_anchors(st)
     # the tail after the lanes merged: it moves lane 0's anchors, which would unalign them
-    with T.serial(tirx.floordiv(length, step) * step, length) as t:
-        em.update(st, 0, start + t, r)
+    if known is None or known % step:
+        with T.serial(tirx.floordiv(length, step) * step, length) as t:
+            em.update(st, 0, start + t, r)
 
 
 def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
