@@ -127,8 +127,9 @@ class SettleSteps:
         degree = comp.compiled("degree", comp.shift_degrees)
         cols = [c.name for c in comp.columns]
         # a branch, not a Select: where the anchors did not move (the common case) the
-        # settling products and their exp are not computed at all
-        with T.If(tirx.Not(same)), T.Then(), \
+        # settling products and their exp are not computed at all.  A NaN anchor always
+        # settles: TVM lowers not(held == true) to an ordered !=, false at NaN
+        with T.If(tirx.Or(tirx.Not(same), tirx.Not(finite))), T.Then(), \
                 self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
             look = self.state_lookup(st, 0, r, slot, {
                 **held, **{primed(a).name: true[a.name] for a in comp.anchors}})
