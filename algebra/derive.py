@@ -9,7 +9,6 @@ obligations it relies on; ``prove`` (stage 5) checks them before a rule exists.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import sympy as sp
 
@@ -28,7 +27,7 @@ from .errors import NotFusable
 from .functions import Where
 from .laws import LAWS
 from .limits import charged_to
-from .names import fresh
+from .names import Names, fresh
 from .prove import Obligation
 from .selects import masked
 from .separate import (
@@ -40,21 +39,6 @@ from .separate import (
     polar,
     taylor_indices,
 )
-
-
-@dataclass(frozen=True)
-class Names:
-    """What a construction needs to name its state: the count, and the names already taken
-    (the spec's and every name invented so far), which new names are made fresh against;
-    and the inputs carrying the feature axis (a sum of those keeps no anchor factor in its
-    state: ``separate.kept_factor``)."""
-
-    count: sp.Symbol
-    taken: set[str]
-    vector: frozenset[str] = frozenset()
-
-    def symbol(self, base: str, **assumptions) -> sp.Symbol:
-        return sp.Symbol(fresh(base, self.taken), **assumptions)
 
 
 def derive_components(cascade: Cascade) -> tuple[Component, ...]:

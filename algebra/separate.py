@@ -281,10 +281,8 @@ def kept_factor(coeff: sp.Expr, anchors: set) -> tuple[sp.Expr, sp.Expr]:
     re-anchoring stays exact: integer powers of the anchors themselves (m**-2, 1/d, m),
     re-anchored by their ratio (m / m')**2; where the anchor is 0 or not finite the state is
     held at 1 instead (``guarded_anchors``).  Any other factor (1/(v + eps), log(m)) has
-    zeros or poles the state could not step over exactly, and moves to finalize.  So does
-    every factor of a feature-axis state (RMSNorm+GEMM's sum(x / r * w[i, :])): rescaling
-    the D-vector whenever r moves costs as much as accumulating it (2-3x slower measured),
-    and sum(x * w) leaves the range only where |x * w| summed exceeds 3e38.
+    zeros or poles the state could not step over exactly, and moves to finalize (so does
+    every factor of a feature-axis state, whose D-vector would be rescaled at every move).
 
     Examples
     --------

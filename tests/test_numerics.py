@@ -211,6 +211,23 @@ def test_variance_with_an_infinite_element_is_nan(x):
     assert_all_match("variance", inputs, 0, ["mean", "var"])
 
 
+def test_moments_at_1e30_follow_float32_not_the_oracle():
+    """Repro nan_semantics.py (moments at 1e30): (x - mu)**2 of 2e30 is 4e60, beyond float32,
+    and the element's softmax weight underflows to 0, so its term is 0 * inf = NaN in float32
+    (torch's multi-pass float32 form too) where float64 gives 0.  Every path agrees on it,
+    and on the values float32 can hold (m, d, mu match the oracle)."""
+    x = np.array([[1e30, 1e30, 1.0, -1e30]], F32)
+    ref = redfuser.reference("softmax_moments", {"x": x})
+    t = torch.tensor(x)
+    p = torch.softmax(t, -1)
+    mu = (p * t).sum(-1, keepdim=True)
+    assert ref["var"].tolist() == [0.0] and torch.isnan((p * (t - mu) ** 2).sum(-1)).all()
+    for path, out in every_path("softmax_moments", {"x": x}).items():
+        for name in ("m", "d", "mu"):
+            assert_matches(out[name], ref[name], 1e-6, 0, f"{path} {name}")
+        assert np.isnan(out["var"]).all(), path
+
+
 def test_infinite_anchor_of_finite_elements_is_the_limit():
     """a = log(sum(x)) = log(0) = -inf with finite x: (x - a)**2 is +inf, not inf - inf."""
     spec = "a = log(sum(x[i])); s = sum((x[i] - a)**2)"
