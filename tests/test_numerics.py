@@ -64,7 +64,7 @@ PRODUCTS = {  # spec -> the magnitude its stream is drawn with (float64 factors 
     "mu = sum(x[i]) / N; p = prod(exp(x[i] - mu))": 8.0,  # exp(x - mu) overflows beyond 700
     "p = prod(x[i])": 1e3,
     "m = max(x[i]); p = prod(exp(x[i] - m) * x[i])": 1e3,
-    "geometric_mean": 1e30,
+    "geometric_mean": 40.0,  # its epilogue exp(m) is inf in float32 beyond 88 (spec's own form)
 }
 
 
