@@ -9,7 +9,9 @@ Three families (see ``laws.LAWS``):
   A(a, a) = I, A(a1, a2) A(a0, a1) = A(a0, a2).
 - ``SelectComponent`` (max/min/arg*/topk): keeps the best g(x) (and its index); the
   body F(g, a) is applied at finalize, which is exact because F is monotone in g.
-- ``ProductComponent`` (prod): keeps prod G(x); finalize multiplies by C(a)**n.
+- ``ProductComponent`` (prod): keeps the plain product of an anchor-free factor; a prod()
+  reduction uses one for the signs of its factors (+-1, 0, NaN: never out of range) next to
+  a ``LinearComponent`` summing the logs of their magnitudes (``derive._product``).
 
 The numpy run (used by ``FusionRule.evaluate``) is the kernel's algorithm in the
 inputs' dtype.  Non-finite anchors follow laws that make the fused pass agree with
@@ -83,6 +85,26 @@ def mul0(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where((a == 0) | (b == 0), 0, a * b)
 
 
+# Working anchors (module doc): the value a re-anchored state is held at where the running
+# value cannot serve.  An anchor the state only re-anchors through exp() and polynomial
+# shifts is held at 0 where it is not finite; one whose power the state keeps (1/m, m**2:
+# ``separate.kept_factor``) is also held away from 0, where that power has its pole or zero
+# (the state there would be inf/NaN or 0 whatever it summed), at 1 (every such power is 1).
+WORKING_FALLBACK = {False: 0.0, True: 1.0}  # guarded? -> where the state is held instead
+
+
+def working_value(v: np.ndarray, guarded: bool, dt: np.dtype) -> np.ndarray:
+    """The working anchor for the running value ``v``: ``v`` where it is finite (and, for a
+    guarded anchor, not 0), else the fallback."""
+    usable = np.isfinite(v) & (v != 0) if guarded else np.isfinite(v)
+    return np.where(usable, v, dt.type(WORKING_FALLBACK[guarded]))
+
+
+def guarded_anchors(components) -> frozenset[str]:
+    """Anchors some state keeps a power of (see ``WORKING_FALLBACK``)."""
+    return frozenset().union(*(getattr(c, "guards", frozenset()) for c in components))
+
+
 def _same(old: dict, new: dict, anchors) -> np.ndarray | bool:
     same = True
     for a in anchors:
@@ -118,6 +140,7 @@ class LinearComponent(Component):
     columns: tuple[sp.Symbol, ...] = ()  # state symbols, the rule's count when a column is 1
     basis: tuple[sp.Expr, ...] = ()  # psi_k(x, a) for each column
     matrix: sp.Matrix = field(default_factory=lambda: sp.Matrix())  # A(a, a') over columns
+    guards: frozenset[str] = frozenset()  # anchors whose powers the state keeps (1/m, m**2)
 
     def counts(self, r: int) -> bool:
         """Is column r the rule's count of elements (basis 1)?  Its row is the count's
@@ -170,8 +193,9 @@ class LinearComponent(Component):
                 new[c.name] = moved[r] + basis[r](env, dt)
 
     def shift_degrees(self) -> dict[tuple[int, int], int]:
-        """Degree of each matrix entry in the anchor shift t = a' - a (exp and wave factors
-        aside: they are no powers of t)."""
+        """How fast each matrix entry grows with the anchor shift t = a' - a (exp and wave
+        factors aside: they are no powers of t): its degree in t, a kept ratio (m / m')**2
+        counting as -2."""
         t = sp.Dummy("t")
         shift = {primed(a): a + t for a in self.anchors}
         out = {}
@@ -179,20 +203,23 @@ class LinearComponent(Component):
             for k, v in enumerate(self.matrix.row(r)):
                 for bounded in (sp.exp, sp.sin, sp.cos):  # factors, not powers of the shift
                     v = v.replace(bounded, lambda *_: sp.S.One)
-                poly = v.subs(shift)
-                out[(r, k)] = sp.Poly(sp.expand(poly), t).degree() if v != 0 else -1
+                out[(r, k)] = _growth(v.subs(shift), t) if v != 0 else -1
         return out
 
     def settle(self, state: dict, a_work: dict, a_true: dict, dt):
         """Finalize: move the state from the working anchors it was kept at to the true final
         anchors (they differ only where a true anchor is not finite).  IEEE products, so
-        exp(-inf - -inf) = NaN appears as in the reference; where the shift is infinite, the
-        highest power of it that meets a non-zero state dominates (sum((x - m)**2) at
-        m = -inf is +inf, not inf - inf)."""
+        exp(-inf - -inf) = NaN appears as in the reference; where the shift is infinite and
+        every element was finite (every column is), the highest power of the shift that
+        meets a non-zero state dominates: sum((x - m)**2) at m = -inf is +inf, not
+        inf - inf.  An infinite element makes a column infinite, and then IEEE decides,
+        as in the reference: variance with one -inf is NaN ((-inf - -inf)**2)."""
         entries, _ = self.compiled("prog", self._program)
         degree = self.compiled("degree", self.shift_degrees)
         env = {**a_work, **{a.name + "'": a_true[a.name] for a in self.anchors}}
         finite = np.all([np.isfinite(a_true[a.name]) for a in self.anchors], axis=0)
+        for c in self.columns:  # (columns differ in shape: a count next to a D-vector)
+            finite = finite | ~np.isfinite(state[c.name])
         rows: dict[int, list] = {}
         for r, k, entry in entries:
             s_k = state[self.columns[k].name]
@@ -212,6 +239,15 @@ class LinearComponent(Component):
         for r, c in enumerate(self.columns):
             if not self.counts(r):
                 out[c.name] = from_l[r] + from_r[r]
+
+
+def _growth(v: sp.Expr, t: sp.Dummy) -> int:
+    """Degree of numerator minus degree of denominator in t (0 for anything else)."""
+    num, den = sp.fraction(sp.together(v))
+    try:
+        return sp.Poly(num, t).degree() - sp.Poly(den, t).degree()
+    except sp.PolynomialError:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -319,7 +355,7 @@ def rank_order(v: np.ndarray, j: np.ndarray, direction: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ProductComponent(Component):
-    """prod: keep prod G(x); the anchor factor C(a) is applied as C(a)**n at finalize."""
+    """A plain product of an anchor-free factor: the signs of a prod()'s factors."""
 
     factor: sp.Expr = sp.S.One  # G(x)
 

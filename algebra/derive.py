@@ -2,18 +2,18 @@
 
 For each reduction the family of its law (``laws.LAWS``) picks the construction:
 finite-rank re-anchoring for sums, monotone commutation for selections, and
-multiplicative separation for products.  Every construction returns the proof
+products as a log-sum and a product of signs.  Every construction returns the proof
 obligations it relies on; ``prove`` (stage 5) checks them before a rule exists.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import sympy as sp
 
 from .addition import ADDITION_LAWS, rotation
-from .cascade import POSITION, Cascade, N, Reduction
+from .cascade import POSITION, Cascade, N, Reduction, carries_feature_axis
 from .components import (
     Component,
     LinearComponent,
@@ -27,7 +27,7 @@ from .errors import NotFusable
 from .functions import Where
 from .laws import LAWS
 from .limits import charged_to
-from .names import fresh
+from .names import Names, fresh
 from .prove import Obligation
 from .selects import masked
 from .separate import (
@@ -36,32 +36,22 @@ from .separate import (
     linear_blocks,
     monotone_core,
     multiplicative_split,
+    polar,
     taylor_indices,
 )
-
-
-@dataclass(frozen=True)
-class Names:
-    """What a construction needs to name its state: the count, and the names already taken
-    (the spec's and every name invented so far), which new names are made fresh against."""
-
-    count: sp.Symbol
-    taken: set[str]
-
-    def symbol(self, base: str, **assumptions) -> sp.Symbol:
-        return sp.Symbol(fresh(base, self.taken), **assumptions)
 
 
 def derive_components(cascade: Cascade) -> tuple[Component, ...]:
     """Fused components of every reduction, in dependence order."""
     streams = set(cascade.streams) | {POSITION}
     family = {"linear": _linear, "selecting": _select, "multiplicative": _product}
-    names = Names(cascade.count, cascade.taken())
-    out = []
+    names = Names(cascade.count, cascade.taken(), cascade.vector_inputs)
+    out: list[Component] = []
     for r in cascade.reductions:
         with charged_to(r):  # the time budget (limits) running out here is r's NotFusable
             check_selects(r.name, r.body, set(r.anchors), LAWS[r.op].family)
-            out.append(family[LAWS[r.op].family](r, set(r.anchors), streams, names))
+            made = family[LAWS[r.op].family](r, set(r.anchors), streams, names)
+            out.extend(made if isinstance(made, tuple) else (made,))  # a product makes two
     return tuple(out)
 
 
@@ -88,8 +78,11 @@ def running_values(cascade: Cascade, components) -> dict[str, sp.Expr]:
 
 # Step 1. sum: finite-rank re-anchoring -------------------------------------------------
 def _linear(r: Reduction, anchors: set, streams: set, names: Names) -> LinearComponent:
-    # a block whose terms cancel contributes nothing (sum(x - x) is a sum of zeros)
-    blocks = [b for b in linear_blocks(r.name, r.body, anchors, streams) if b.kernel() != 0]
+    # a block whose terms cancel contributes nothing (sum(x - x) is a sum of zeros); a
+    # feature-axis state moves its anchor factors to finalize (``separate.kept_factor``)
+    keep = not carries_feature_axis(r.body, names.vector)
+    blocks = [b for b in linear_blocks(r.name, r.body, anchors, streams, keep)
+              if b.kernel() != 0]
     columns: list[sp.Symbol] = []
     basis: list[sp.Expr] = []
     entries: dict[tuple[sp.Symbol, sp.Symbol], sp.Expr] = {}
@@ -125,8 +118,9 @@ def _linear(r: Reduction, anchors: set, streams: set, names: Names) -> LinearCom
     if masks:
         case += ("; where(): the sums run over the elements of " + ", ".join(masks) +
                  " (an anchored one with its count, so an empty selection is exactly 0)")
+    guards = frozenset(a.name for b in blocks for a in b.kept.free_symbols)
     return LinearComponent(r, case, state, r.anchors, finalize, obligations,
-                           columns=tuple(columns), basis=tuple(basis), matrix=A)
+                           columns=tuple(columns), basis=tuple(basis), matrix=A, guards=guards)
 
 
 def _column(name: str, psi: sp.Expr, k: int, names: Names) -> sp.Symbol:
@@ -164,6 +158,10 @@ def _linear_case(r: Reduction, A: sp.Matrix, coeffs: list, blocks: list[Block]) 
     waves = sorted({w.func for b in blocks for _, _, w in b.terms if w != 1}, key=str)
     for f in waves:
         case += f"; {ADDITION_LAWS[f].identity}"
+    kept = [b.kept for b in blocks if b.kept != 1]
+    if kept:
+        case += ("; anchor-only factor " + ", ".join(map(str, kept)) + " kept in the state "
+                 "(the spec's own normalised terms), re-anchored by its ratio")
     if coeffs:
         case += "; anchor-only factor " + ", ".join(map(str, coeffs)) + " applied at finalize"
     return case
@@ -194,7 +192,9 @@ def _block_columns(name: str, block: Block, anchors: set, streams: set):
     (two anchors whose top coefficients both equal 1) share a column: its row is any one of
     theirs, and the entries into it add up."""
     new = {a: primed(a) for a in anchors}
-    scale = sp.exp(sp.expand(block.beta.subs(new, simultaneous=True) - block.beta))
+    scale = sp.exp(sp.factor_terms(sp.expand(block.beta.subs(new, simultaneous=True) -
+                                             block.beta))) * \
+        block.kept.subs(new, simultaneous=True) / block.kept
     rot = rotation(block.theta, new, block.quarters != (0,))
     content, column, psis = {}, {}, []
     for g in taylor_indices(name, block, anchors):
@@ -203,7 +203,7 @@ def _block_columns(name: str, block: Block, anchors: set, streams: set):
             if t == 0:  # nothing to keep (and nothing for a row to read)
                 continue
             c, psi = _content(t, streams)
-            psi = block.masked(psi)
+            psi = block.masked(sp.factor_terms(psi))  # (x - m)/N: see separate._exp
             if psi not in psis:
                 psis.append(psi)
             key = (tuple(sorted(g.items(), key=str)), q)
@@ -327,13 +327,72 @@ def _monotone_sign(r: Reduction, g, F, strict: bool) -> str:
                      "with it")
 
 
-# Step 3. prod: multiplicative separation -----------------------------------------------
-def _product(r: Reduction, anchors: set, streams: set, names: Names) -> ProductComponent:
+# Step 3. prod: a log-domain sum and a product of signs -------------------------------
+def _product(r: Reduction, anchors: set, streams: set,
+             names: Names) -> tuple[Component, ...]:
+    """prod(C(a) G(x)) kept in a form that cannot leave the float range where the product
+    does not: L = sum(log|C(a) G(x)|), a sum like any other (exp(x - m) factors make it the
+    re-anchored sum(x - m), which stays at the running anchor), and S = prod(sign(G(x))),
+    which only takes the values +-1, 0, +-inf and NaN; the value is
+    S * sign(C(a))**n * exp(L).  C(a)**n * prod(G) overflows for twelve factors of 1e10
+    (prod(exp(x - m)) with x = 10: exp(120) = inf times exp(-120) = 0); exp(L) is exp(0)."""
     coeff, G = multiplicative_split(r.name, r.body, anchors, streams)
-    state = (StateVar(sp.Symbol(r.name, real=True), sp.S.One, f"product of {G}"),)
-    finalize = coeff ** names.count * state[0].symbol if coeff != 1 else state[0].symbol
-    obligations = (Obligation(f"{r.name}: factorization", "body = C(a) * G(x)", coeff * G,
-                              r.body),)
-    case = "plain product" if coeff == 1 else (
-        f"multiplicative separation: prod({coeff} * G) = ({coeff})**{names.count} * prod(G)")
-    return ProductComponent(r, case, state, r.anchors, finalize, obligations, factor=G)
+    factorization = Obligation(f"{r.name}: factorization", "body = C(a) * G(x)", coeff * G,
+                               r.body)
+    if G == 0:  # prod(0): nothing to take the log of, and nothing to overflow
+        state = (StateVar(sp.Symbol(r.name, real=True), sp.S.One, "product of 0"),)
+        return (ProductComponent(r, "plain product (of zeros)", state, (), state[0].symbol,
+                                 (factorization,), factor=G),)
+    sign_g, log_g, atoms = polar(G)
+    sign_c, log_c, atoms_c = polar(coeff)
+    lin = _log_sum(r, log_g + log_c, {a for a in atoms_c if a in anchors}, anchors, streams,
+                   names)
+    value, out = sp.exp(lin.finalize), []
+    if sign_g != 1:
+        sym = sp.Symbol(f"{r.name}.sign", real=True)  # '.': never a spec name
+        out.append(ProductComponent(r, f"product of the signs {sign_g}",
+                                    (StateVar(sym, sp.S.One, f"product of {sign_g}"),), (),
+                                    sym, (), factor=sign_g))
+        value = sym * value
+    if sign_c != 1:
+        value = sign_c ** names.count * value
+    obligations = (factorization, *_polar_obligations(r.name, coeff * G, sign_g * sign_c,
+                                                      log_g + log_c, atoms | atoms_c),
+                   *lin.obligations)
+    case = ("log-domain product: prod(body) = prod(sign(body)) * exp(sum(log|body|)), in "
+            f"range whatever the factors; the log-sum: {lin.case}")
+    return (*out, dataclasses.replace(lin, reduction=r, case=case, finalize=value,
+                                      obligations=obligations))
+
+
+def _log_sum(r: Reduction, body, logged: set, anchors: set, streams: set,
+             names: Names) -> LinearComponent:
+    """The sum of log|body| at the running anchors.  A term log|m| of an anchor m is shifted
+    like an anchor of its own (the state sums log|x| - log|m| at the running m, re-anchored by
+    adding n*(log|m| - log|m'|)), so the sum stays near 0 when the factors are near 1: twelve
+    terms log(100) - log(100) cancel exactly, which sum(log|x|) - n*log|m| at finalize
+    misses by 1e-4.  The obligations are proven for the shifted term as a free variable,
+    so they hold for log|m|; the state is held away from m = 0 (a guarded anchor)."""
+    derived = {sp.log(sp.Abs(a)): sp.Symbol(f"log|{a}|", real=True)
+               for a in sorted(logged, key=str)}
+    log_r = dataclasses.replace(r, name=f"{r.name}.log", op="sum", body=body.xreplace(derived),
+                                anchors=r.anchors + tuple(derived.values()))
+    lin = _linear(log_r, anchors | set(derived.values()), streams, names)
+    back = {**{v: k for k, v in derived.items()},
+            **{primed(v): k.xreplace({a: primed(a) for a in logged}) for k, v in derived.items()}}
+    return dataclasses.replace(
+        lin, anchors=r.anchors, basis=tuple(b.xreplace(back) for b in lin.basis),
+        matrix=lin.matrix.xreplace(back), finalize=lin.finalize.xreplace(back),
+        guards=lin.guards | {a.name for a in logged})
+
+
+def _polar_obligations(name: str, body, sign, log_abs, atoms) -> list[Obligation]:
+    """body = sign * exp(log_abs): per atom a, sign(a) * exp(log|a|) = a; and the whole, with
+    each sign(a) written a * exp(-log|a|) (which the atom identity licenses)."""
+    out = [Obligation(f"{name}: polar form of {a}", "sign(a) * exp(log|a|) = a",
+                      sp.sign(a) * sp.exp(sp.log(sp.Abs(a))), a)
+           for a in sorted(atoms, key=sp.default_sort_key)]
+    per_atom = {sp.sign(a): a * sp.exp(-sp.log(sp.Abs(a))) for a in atoms}
+    out.append(Obligation(f"{name}: polar form", "body = sign * exp(sum of log|factor|)",
+                          sign.xreplace(per_atom) * sp.exp(log_abs), body))
+    return out

@@ -17,7 +17,7 @@ import numpy as np
 import sympy as sp
 from sympy.codegen.cfunctions import expm1, log1p
 from sympy.core.logic import fuzzy_and
-from sympy.logic.boolalg import Boolean
+from sympy.logic.boolalg import Boolean, BooleanFunction
 
 
 class _Named(sp.Function):
@@ -261,6 +261,49 @@ class Where(_Named):
         return rf"\begin{{cases}} {a} & {c} \\ {b} & \text{{otherwise}} \end{{cases}}"
 
 
+class _FloatClass(BooleanFunction):
+    """A test of a value's IEEE class (a condition, only ever read by ``where``).  sympy's real
+    symbols are finite, so the test is decided for explicit numbers only and stays symbolic
+    otherwise: proofs split on it case by case (``algebra.selects.cases``) like on a
+    comparison, and the kernels test the float's bits."""
+
+    spec_name = ""
+    on: dict[str, bool] = {}  # the test's value on a finite number, an infinity, NaN
+
+    @classmethod
+    def eval(cls, x):
+        if x.is_number:  # the spec parser passes numbers only (a condition is refused there)
+            kind = "nan" if x is sp.nan else "inf" if x in (sp.oo, -sp.oo, sp.zoo) else "finite"
+            return sp.true if cls.on[kind] else sp.false
+
+    def _sympystr(self, printer):
+        return f"{self.spec_name}({printer._print(self.args[0])})"
+
+    def _latex(self, printer):
+        return rf"\operatorname{{{self.spec_name}}}\left({printer._print(self.args[0])}\right)"
+
+
+class IsInf(_FloatClass):
+    """``isinf(x)``: x is +inf or -inf (NaN is not).
+
+    Examples
+    --------
+    >>> m = sp.Symbol("m", real=True)
+    >>> Where(IsInf(m), 0, m), Where(IsInf(m), 0, m).subs(m, -sp.oo)
+    (where(isinf(m), 0, m), 0)
+    """
+
+    spec_name = "isinf"
+    on = {"finite": False, "inf": True, "nan": False}
+
+
+class IsFinite(_FloatClass):
+    """``isfinite(x)``: x is neither infinite nor NaN."""
+
+    spec_name = "isfinite"
+    on = {"finite": True, "inf": False, "nan": False}
+
+
 def _np_sigmoid(x):
     one = x.dtype.type(1)
     return one / (one + np.exp(-x))
@@ -281,6 +324,7 @@ class Elementwise:
     arity: int
     build: Callable[..., sp.Expr]
     numpy: Callable[..., np.ndarray] | None  # None: sympy lowers it to other nodes
+    condition: bool = False  # returns a condition (read by where), not a number
 
 
 def _pow(a, b):
@@ -312,6 +356,8 @@ FUNCTIONS: dict[str, Elementwise] = {
     "minimum": Elementwise(2, Minimum, np.minimum),
     "dot": Elementwise(2, Dot, _np_dot),
     "where": Elementwise(3, Where, np.where),  # select: the other branch never leaks
+    "isinf": Elementwise(1, IsInf, np.isinf, condition=True),  # +-inf (not NaN)
+    "isfinite": Elementwise(1, IsFinite, np.isfinite, condition=True),  # not inf, not NaN
 }
 
 # Comparisons and connectives are sympy's own Relational/And/Or/Not (Booleans, never numbers):

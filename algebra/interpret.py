@@ -11,14 +11,15 @@ import numpy as np
 
 from .cascade import INDEX, LENGTH
 from .components import INDEX_KEY
-from .layout import Layout, resolve, to_user
+from .layout import Layout, resolve, to_user, vector_results
 from .numeric import compile_expr
 
 
 def _bounds(chunks, n: int) -> list[tuple[int, int]]:
-    chunks = [n] if chunks is None else [int(c) for c in chunks]
+    chunks = ([n] if n else []) if chunks is None else [int(c) for c in chunks]
     if any(c <= 0 for c in chunks) or sum(chunks) != n:
-        raise ValueError(f"chunks {chunks} must be positive lengths adding up to N = {n}")
+        raise ValueError(f"chunks {chunks} must be positive lengths adding up to N = {n}"
+                         + (" (an empty stream has no chunks: pass none)" if n == 0 else ""))
     edges = np.cumsum([0, *chunks])
     return list(zip(edges[:-1], edges[1:], strict=True))
 
@@ -48,6 +49,16 @@ def _merge_tree(rule, states, tree, params):
     return walk(tree)
 
 
+def _empty(rule, lay: Layout, params: dict, tree) -> dict[str, np.ndarray]:
+    """The results of an empty stream (``FusionRule.finalize_empty``), per row and with the
+    feature axis where a result carries it."""
+    if tree is not None:
+        raise ValueError(f"tree {tree!r} merges chunks, but an empty stream (N = 0) has none")
+    vector = vector_results(rule.cascade, lay.vector)
+    return {k: np.broadcast_to(v, lay.rows + (1, (lay.d or 1) if k in vector else 1))
+            for k, v in rule.finalize_empty(params, lay.dtype).items()}
+
+
 def _params(rule, lay: Layout) -> dict:
     params = {p.name: lay.arrays[p.name] for p in rule.cascade.params}
     params[LENGTH] = lay.dtype.type(lay.n)
@@ -68,7 +79,8 @@ def run(rule, inputs: dict, chunks=None, tree=None) -> dict[str, np.ndarray]:
                 elem[INDEX], elem[INDEX_KEY] = dt.type(i), i
                 state = rule.update(state, elem, params)
             states.append(state)
-        final = rule.finalize(_merge_tree(rule, states, tree, params), params)
+        final = rule.finalize(_merge_tree(rule, states, tree, params), params) if states \
+            else _empty(rule, lay, params, tree)
         env = {**params, **{s: lay.arrays[s] for s in streams}, **final,
                INDEX: np.arange(lay.n, dtype=dt).reshape(lay.n, 1)}
         for name, expr in rule.cascade.elementwise.items():

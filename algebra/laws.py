@@ -7,7 +7,8 @@ lets a body depending on earlier results commute with it:
 - ``linear`` (sum): sum(c * f) = c * sum(f) for c free of the stream, and
   sum(A @ phi) = A @ sum(phi) for a matrix A free of the stream: finite-rank
   re-anchoring.
-- ``multiplicative`` (prod): prod(c * f) = c**N * prod(f).
+- ``multiplicative`` (prod): prod(c * f) = c**N * prod(f); the engine keeps it as
+  prod(sign) * exp(sum(log|c f|)), a sum, so that no partial product leaves the range.
 - ``selecting`` (max, min, argmax, argmin, topk, argtopk): the result is one of
   the inputs, so for F non-decreasing in u, max_i F(g_i) = F(max_i g_i)
   (strictly increasing when an index is returned, so that ties stay ties);

@@ -90,6 +90,10 @@ def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
         if r.k and r.k > n:
             raise ValueError(f"{r.op}({r.name}) asks for k = {r.k} values of a stream of "
                              f"length N = {n}")
+        if n == 0 and r.op in ("argmax", "argmin"):
+            raise ValueError(f"{r.op}({r.name}) of an empty stream (N = 0) has no index to "
+                             "return (the value reductions give their identities: sum 0, "
+                             "prod 1, max -inf, min +inf)")
     try:
         rows = np.broadcast_shapes(*row_shapes.values())
     except ValueError:

@@ -14,8 +14,10 @@ _ATTENTION = "m = max(s)\nd = sum(exp(s - m))\no = sum(exp(s - m) * v[i, :]) / d
 LIBRARY: dict[str, tuple[str, str]] = {
     "softmax": (_SOFTMAX + "y[i] = exp(x[i] - m) / d",
                 "safe softmax: running max, rescaled denominator, normalised values"),
-    "logsumexp": ("m = max(x[i])\nlse = log(sum(exp(x[i] - m))) + m",
-                  "log-sum-exp with the max subtracted"),
+    "logsumexp": ("m = max(x[i])\nc = where(isinf(m), 0, m)\nlse = log(sum(exp(x[i] - c))) + c",
+                  "log-sum-exp with the max subtracted, clamped to 0 where it is infinite "
+                  "(torch's convention: a row with +inf gives +inf, a row of -inf or an empty "
+                  "row -inf)"),
     "log_softmax": ("m = max(x[i])\nlse = log(sum(exp(x[i] - m))) + m\ny[i] = x[i] - lse",
                     "log-softmax (cross-entropy's first half)"),
     "cross_entropy": ("m = max(x[i])\nlse = log(sum(exp(x[i] - m))) + m\n"
@@ -108,7 +110,9 @@ def example_inputs(name: str, n: int = 64, rows: tuple = (4,), d: int = 16, seed
         "layernorm": lambda: {"g": normal(*rows, n), "b": normal(*rows, n), "eps": 1e-5},
         "rmsnorm": lambda: {"g": normal(n), "eps": 1e-5},
         "rmsnorm_gemm": lambda: {"w": normal(n, d), "eps": 1e-5},
-        "cross_entropy": lambda: {"t": np.eye(n, dtype=np.float32)[g.integers(0, n, rows)]},
+        "cross_entropy": lambda: {"t": np.eye(n, dtype=np.float32)[g.integers(0, max(n, 1),
+                                                                             rows) % max(n, 1)]
+                                  if n else np.zeros((*rows, 0), np.float32)},
         "softmax_entropy": lambda: {"T": 0.7},
         "softmin_average": lambda: {"v": normal(*rows, n, d)},
     }

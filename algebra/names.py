@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+import sympy as sp
 
 FRESH_MARK = "_"  # appended until a name is free: n -> n_ -> n__ (readable, and an identifier)
 
@@ -41,3 +44,18 @@ def spec_names(tree: ast.AST, reserved: Iterable[str]) -> set[str]:
     ['N', 'i', 'm', 'max', 't', 't_max', 'x']
     """
     return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | set(reserved)
+
+
+@dataclass(frozen=True)
+class Names:
+    """What a construction needs to name its state: the count, and the names already taken
+    (the spec's and every name invented so far), which new names are made fresh against;
+    and the inputs carrying the feature axis (a sum of those keeps no anchor factor in its
+    state: ``separate.kept_factor``)."""
+
+    count: sp.Symbol
+    taken: set[str]
+    vector: frozenset[str] = frozenset()
+
+    def symbol(self, base: str, **assumptions) -> sp.Symbol:
+        return sp.Symbol(fresh(base, self.taken), **assumptions)

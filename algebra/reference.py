@@ -4,7 +4,8 @@ It shares only the parser and the expression compiler with the fused path, never
 the derivation, so tests that compare ``evaluate`` with it test the algebra.
 Semantics: numpy's (NaN propagates through max/sum; argmax/argmin return the first
 extreme element, the first NaN if there is one; top-k values descending, ties to the
-lower index, NaN ranked first like argmax).
+lower index, NaN ranked first like argmax).  An empty stream (N = 0) gives each reduction
+its identity: sum 0, prod 1, max -inf, min +inf.
 """
 
 from __future__ import annotations
@@ -19,11 +20,15 @@ from .numeric import compile_expr
 from .spec import parse
 
 F64 = np.dtype(np.float64)
+EMPTY = {"max": -np.inf, "min": np.inf}  # max and min of no elements (numpy has no default)
 
 
 def _reduce(op: str, v: np.ndarray, k: int | None) -> np.ndarray:
-    if op in ("sum", "prod", "max", "min"):
+    if op in ("sum", "prod"):
         return getattr(np, op)(v, axis=-2, keepdims=True)
+    if op in ("max", "min"):  # an empty stream: the identity, as torch's logsumexp reads it
+        return getattr(np, op)(v, axis=-2, keepdims=True, initial=EMPTY[op]) if \
+            v.shape[-2] == 0 else getattr(np, op)(v, axis=-2, keepdims=True)
     if op in ("argmax", "argmin"):  # the first extreme element; the first NaN if any
         return getattr(np, op)(v, axis=-2, keepdims=True).astype(np.int64)
     # top-k: descending, ties to the lower index, NaN first (NaN wins, as in argmax)

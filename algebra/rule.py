@@ -9,8 +9,16 @@ import numpy as np
 import sympy as sp
 
 from .cascade import INDEX, Cascade
-from .components import Component, LinearComponent, StateVar, primed
+from .components import (
+    Component,
+    LinearComponent,
+    StateVar,
+    guarded_anchors,
+    primed,
+    working_value,
+)
 from .interpret import run
+from .laws import LAWS
 from .numeric import compile_expr
 from .prove import Obligation
 from .stash import Stash, stashes, tile_anchor
@@ -165,12 +173,13 @@ class FusionRule:
 
     def _anchors(self, comp, state, params, dt, working: bool = True) -> dict[str, np.ndarray]:
         """The component's anchors at this state (plus the parameters its matrix reads);
-        ``working``: non-finite values replaced by 0 (see ``algebra.components``)."""
+        ``working``: the working anchors (``algebra.components.working_value``)."""
         fns = self._running_fns()
         env = {**params, **state}
         values = {a.name: np.asarray(fns[a.name](env, dt)) for a in comp.anchors}
         if working:
-            values = {k: np.where(np.isfinite(v), v, dt.type(0)) for k, v in values.items()}
+            guarded = self.compiled("guarded", lambda: guarded_anchors(self.components))
+            values = {k: working_value(v, k in guarded, dt) for k, v in values.items()}
         return {**params, **values}
 
     def init(self, rows: tuple, dtype) -> dict[str, np.ndarray]:
@@ -215,6 +224,16 @@ class FusionRule:
         env = {**params, **final}
         return {k: f(env, dt) for k, f in self._running_fns().items()}
 
+    def finalize_empty(self, params: dict, dt: np.dtype) -> dict[str, np.ndarray]:
+        """Every named result of an empty stream (N = 0): ``empty_results``, which no state
+        could give (a settle at the -inf anchor of an empty max is inf * 0)."""
+        identities, epilogues = empty_results(self.cascade)
+        env = {**params, **{k: dt.type(v) for k, v in identities.items()}}
+        out = {k: np.asarray(env[k]).reshape(1, 1) for k in identities}
+        for name, expr in epilogues.items():
+            out[name] = np.asarray(compile_expr(expr)(env, dt)).reshape(1, 1)
+        return {k: v for k, v in out.items() if k in self.running}
+
     def evaluate(self, inputs: dict, chunks=None, tree=None) -> dict[str, np.ndarray]:
         """Run the fused one-pass algorithm in numpy, in the inputs' dtype.
 
@@ -231,6 +250,26 @@ class FusionRule:
         array([[0.09  , 0.6652, 0.2447]], dtype=float32)
         """
         return run(self, inputs, chunks, tree)
+
+
+def empty_results(cascade: Cascade) -> tuple[dict[str, float], dict[str, sp.Expr]]:
+    """The results of an empty stream (N = 0): each reduction is its law's identity (sum 0,
+    prod 1, max -inf, min +inf: numpy's and torch's empty reductions), and each epilogue is
+    computed from those with IEEE arithmetic (a mean is 0/0 = NaN, logsumexp's log(0) + 0 is
+    -inf).  Returns (reduction -> identity, epilogue -> its expression in the reductions).
+    Index reductions have no identity: ``algebra.layout`` refuses them on an empty stream.
+
+    Examples
+    --------
+    >>> from algebra.spec import parse
+    >>> empty_results(parse("s = sum(x[i]); m = max(x[i]); mean = s / N"))
+    ({'s': 0.0, 'm': -inf}, {'mean': s/N})
+    """
+    identities = {r.name: float(LAWS[r.op].identity) for r in cascade.reductions}
+    results, inlined = cascade.results, {}
+    for name, expr in cascade.epilogues.items():  # spec order: what an epilogue reads is first
+        inlined[name] = expr.xreplace({results[k]: v for k, v in inlined.items()})
+    return identities, inlined
 
 
 def _dtype_of(state: dict) -> np.dtype:

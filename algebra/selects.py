@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import sympy as sp
 from sympy.logic.boolalg import Boolean
 
-from .functions import Dot, Where
+from .functions import Dot, IsFinite, IsInf, Where
 
 MAX_CONDITIONS = 6  # distinct conditions in one expression: 2**6 cases at most to prove
 
@@ -66,12 +66,13 @@ def conditions(e: sp.Basic) -> list[Boolean]:
 
 
 def _atoms(e: sp.Basic) -> list[Boolean]:
-    """Comparisons (and bare boolean symbols) inside select conditions that contain no select
-    themselves: the independent facts a case split assigns."""
+    """Comparisons and float-class tests (isinf, isfinite) inside select conditions that
+    contain no select themselves: the independent facts a case split assigns."""
     out = set()
     for c in conditions(e):
         for n in sp.preorder_traversal(c):
-            if isinstance(n, sp.core.relational.Relational) and not has_select(n):
+            if isinstance(n, sp.core.relational.Relational | IsInf | IsFinite) and \
+                    not has_select(n):
                 out.add(_canonical(n))
     return sorted(out, key=sp.default_sort_key)
 
@@ -80,6 +81,8 @@ def _canonical(r: Boolean) -> Boolean:
     """One of a comparison and its negation (x <= 1/2 and x > 1/2 are one fact, not two
     independent ones: a case split that assigned both True would prove an identity in a
     case that cannot happen, and fail where the identity is right)."""
+    if not isinstance(r, sp.core.relational.Relational):  # isinf(x): its negation is Not
+        return r
     return min(r, r.negated, key=sp.default_sort_key)
 
 
@@ -101,7 +104,8 @@ def cases(e: sp.Basic) -> Iterator[sp.Basic]:
         return
     atom = atoms[0]
     for value in (sp.true, sp.false):
-        yield from cases(e.xreplace({atom: value, atom.negated: ~value}))
+        negated = atom.negated if isinstance(atom, sp.core.relational.Relational) else ~atom
+        yield from cases(e.xreplace({atom: value, negated: ~value}))
 
 
 def leaves(e: sp.Expr, mask: Boolean = sp.true) -> list[tuple[Boolean, sp.Expr]]:

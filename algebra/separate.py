@@ -3,7 +3,8 @@
 Three analyses, one per algebraic family of ``laws.LAWS``:
 
 - ``linear_blocks`` (sum): body = sum_b C_b(a) * K_b(x, a), where C_b depends on the
-  anchors only (it moves to finalize) and K_b = sum_t exp(alpha_t(x) + beta_b(a)) * P_t(x, a)
+  anchors only (its powers of anchors stay in the state, the rest moves to finalize:
+  ``kept_factor``) and K_b = sum_t exp(alpha_t(x) + beta_b(a)) * P_t(x, a)
   * W_t(gamma_t(x) + theta_b(a)) with each P_t a polynomial in the anchors and W_t a wave
   (sin, cos, or none).  The exponential keeps its anchor part (that is what keeps exp() in
   range); the polynomial keeps its shifted form (that is what keeps variance stable); the
@@ -11,7 +12,8 @@ Three analyses, one per algebraic family of ``laws.LAWS``:
   ``algebra.addition.ADDITION_LAWS`` is the table of the functions of a stream part plus an
   anchor part that split this way, with the identity each relies on.
 - ``monotone_core`` (max/min/arg*/topk): body = F(g(x), a) for one anchor-free g.
-- ``multiplicative_split`` (prod): body = C(a) * G(x).
+- ``multiplicative_split`` (prod): body = C(a) * G(x), then ``polar`` writes each as
+  sign * exp(log|.|), whose log-sum is a linear body like any other.
 
 A body with selects (``where``) is first checked by ``check_selects``: a select whose
 condition reads the stream and parameters only is separable (each leaf of the select tree
@@ -40,11 +42,12 @@ class Block:
     """Terms sharing one anchor-only factor ``coeff``, one exponent anchor part ``beta`` and
     one wave phase ``theta`` (0 without waves)."""
 
-    coeff: sp.Expr
+    coeff: sp.Expr  # anchor-only factor applied at finalize (see ``kept_factor``)
     beta: sp.Expr
     terms: tuple[tuple[sp.Expr, sp.Expr, sp.Expr], ...]  # (alpha_t(x), P_t(x, a), W_t(PHASE))
     mask: sp.Basic = sp.true  # the elements the block sums over (a select's leaf)
     theta: sp.Expr = sp.S.Zero
+    kept: sp.Expr = sp.S.One  # anchor-only factor kept in the state, re-anchored by its ratio
 
     @property
     def quarters(self) -> tuple[int, ...]:
@@ -57,7 +60,8 @@ class Block:
 
     def reads(self, anchors: set) -> bool:
         """Does the block depend on an anchor (re-anchored, or an anchor factor)?"""
-        free = self.coeff.free_symbols | self.beta.free_symbols | self.theta.free_symbols
+        free = (self.coeff.free_symbols | self.beta.free_symbols | self.theta.free_symbols |
+                self.kept.free_symbols)
         for _, poly, _ in self.terms:
             free |= poly.free_symbols
         return bool(free & anchors)
@@ -71,11 +75,14 @@ class Block:
             for a, k in (deriv or {}).items():
                 poly = sp.diff(poly, a, k) / sp.factorial(k)
             total += _exp(alpha + self.beta) * poly * wave.subs(PHASE, phase)
-        return total
+        return self.kept * total
 
 
 def _exp(e: sp.Expr) -> sp.Expr:
-    return sp.S.One if e == 0 else sp.exp(e)
+    """exp(e) with e's common factors pulled out: exp((x - m)/T), not exp(x/T - m/T), which a
+    kernel contracts into fma(x, 1/T, -m/T) that misses 0 at x = m by an ulp of m/T (2e23 at
+    3e30, and exp of that overflows)."""
+    return sp.S.One if e == 0 else sp.exp(sp.factor_terms(e))
 
 
 # Why each kind of node blocks separation, keyed by sympy class: data, not branches.
@@ -206,14 +213,19 @@ def _split_argument(func, arg, anchors, streams, name) -> tuple[sp.Expr, sp.Expr
     return stream, anchor
 
 
-def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[Block]:
-    """Decompose a sum body into blocks ``C_b(a) * sum_t exp(alpha_t + beta_b) * P_t * W_t``.
+def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set,
+                  keep: bool = True) -> list[Block]:
+    """Decompose a sum body into blocks ``C_b(a) * sum_t exp(alpha_t + beta_b) * P_t * W_t``;
+    ``keep``: powers of the anchors stay in the state (``kept_factor``).
 
     Examples
     --------
     >>> x, m, d = sp.symbols("x m d", real=True)
-    >>> [(b.coeff, b.beta, b.terms) for b in linear_blocks("o", sp.exp(x - m) / d, {m, d}, {x})]
-    [(1/d, -m, ((x, 1, 1),))]
+    >>> [(b.coeff, b.beta, b.terms)
+    ...  for b in linear_blocks("o", sp.exp(x - m) / (d + 1), {m, d}, {x})]
+    [(1/(d + 1), -m, ((x, 1, 1),))]
+    >>> [(b.kept, b.coeff) for b in linear_blocks("o", sp.exp(x - m) / d, {m, d}, {x})]
+    [(1/d, 1)]
     >>> [(b.theta, b.quarters) for b in linear_blocks("s", sp.sin(x - m), {m}, {x})]
     [(m, (0, 1))]
     """
@@ -231,12 +243,12 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set) -> list[
     for mask, leaf in leaves(exp_form(body, anchors)):
         for expo, rest in _split_terms(leaf, opens):
             for part in wave_parts(name, rest, anchors, streams):
-                _add_term(name, expo, part, mask, anchors, streams, groups)
-    return [Block(c, b, tuple((a, p, w) for (a, w), p in t.items()), mask, theta)
-            for (c, b, theta, mask), t in groups.items()]
+                _add_term(name, expo, part, mask, anchors, streams, groups, keep)
+    return [Block(c, b, tuple((a, p, w) for (a, w), p in t.items()), mask, theta, kept)
+            for (c, b, theta, mask, kept), t in groups.items()]
 
 
-def _add_term(name, expo, rest, mask, anchors, streams, groups):
+def _add_term(name, expo, rest, mask, anchors, streams, groups, keep):
     """Add one term exp(expo) * rest of a select-free leaf (summed over the elements of
     ``mask``) to its block."""
     alpha, beta = _split_exponent(expo, anchors, streams, name)
@@ -255,8 +267,35 @@ def _add_term(name, expo, rest, mask, anchors, streams, groups):
             wave = f.func(gamma + PHASE)
         else:
             raise NotFusable(name, *culprit(f, anchors, streams))
-    terms = groups.setdefault((coeff, beta, theta, mask), {})
+    kept, coeff = kept_factor(coeff, anchors) if keep else (sp.S.One, coeff)
+    terms = groups.setdefault((coeff, beta, theta, mask, kept), {})
     terms[(alpha, wave)] = terms.get((alpha, wave), sp.S.Zero) + poly
+
+
+def kept_factor(coeff: sp.Expr, anchors: set) -> tuple[sp.Expr, sp.Expr]:
+    """Split an anchor-only factor into (kept in the state, applied at finalize).
+
+    Moving a factor C(a) out of a sum (sum(C(a) K) = C(a) sum(K)) changes the range the state
+    lives in: the user who wrote sum((x / m)**2) keeps every term near 1, and sum(x**2)
+    overflows float32 at 2e19.  So the state keeps the spec's own terms wherever the
+    re-anchoring stays exact: integer powers of the anchors themselves (m**-2, 1/d, m),
+    re-anchored by their ratio (m / m')**2; where the anchor is 0 or not finite the state is
+    held at 1 instead (``guarded_anchors``).  Any other factor (1/(v + eps), log(m)) has
+    zeros or poles the state could not step over exactly, and moves to finalize (so does
+    every factor of a feature-axis state, whose D-vector would be rescaled at every move).
+
+    Examples
+    --------
+    >>> m, d, e = sp.symbols("m d e", real=True)
+    >>> kept_factor(2 / (m**2 * (d + e)), {m, d})
+    (m**(-2), 2/(d + e))
+    """
+    kept = sp.S.One
+    for f in sp.Mul.make_args(coeff):
+        base, e = (f.base, f.exp) if f.is_Pow else (f, sp.S.One)
+        if base in anchors and e.is_Integer:
+            kept *= f
+    return kept, coeff / kept
 
 
 MAX_RANK = 16  # state sums per block: beyond this a "one pass" costs more than it saves
@@ -333,3 +372,31 @@ def multiplicative_split(name: str, body: sp.Expr, anchors: set, streams: set):
             raise NotFusable(name, f, "is not a product of a stream factor and an anchor "
                                       "factor, so prod() cannot pull the anchor out")
     return coeff, rest
+
+
+def polar(f: sp.Expr) -> tuple[sp.Expr, sp.Expr, set[sp.Expr]]:
+    """``f = sign * exp(log_magnitude)``, opened through products, integer powers and
+    exponentials: returns (sign, log_magnitude, atoms), each atom ``a`` entering as
+    ``sign(a)`` and ``log(Abs(a))`` (the identity ``sign(a) * exp(log|a|) = a`` per atom is
+    what a product's proof checks).  A non-integer power stays an atom: sqrt(x) of a
+    negative x is NaN, which log(Abs(sqrt(x))) keeps and (1/2) log|x| would not.
+
+    Examples
+    --------
+    >>> x, m = sp.symbols("x m", real=True)
+    >>> sign, log_abs, atoms = polar(sp.exp(x - m) * x**2 / m)
+    >>> sign, log_abs == x - m + 2 * sp.log(sp.Abs(x)) - sp.log(sp.Abs(m)), sorted(atoms, key=str)
+    (sign(x)**2/sign(m), True, [m, x])
+    """
+    if f.is_Mul:
+        parts = [polar(a) for a in f.args]
+        return (sp.Mul(*(p[0] for p in parts)), sp.Add(*(p[1] for p in parts)),
+                set().union(*(p[2] for p in parts)))
+    if f.is_Pow and f.exp.is_Integer:
+        sign, log_abs, atoms = polar(f.base)
+        return sign ** f.exp, f.exp * log_abs, atoms
+    if isinstance(f, sp.exp):
+        return sp.S.One, f.args[0], set()
+    if f.is_number and f.is_positive:
+        return sp.S.One, sp.log(f), set()
+    return sp.sign(f), sp.log(sp.Abs(f)), {f}

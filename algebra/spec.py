@@ -330,9 +330,9 @@ class _Lifter:
         for a in args[1:]:
             shape = shape.join(a.shape, node)
         value = fn.build(*(a.expr for a in args))
-        if _undefined(value):
+        if not fn.condition and _undefined(value):
             _fail(node, f"'{ast.unparse(node)}' is undefined (a complex or infinite value)")
-        return _Val(value, shape, any(a.reduces for a in args))
+        return _Val(value, shape, any(a.reduces for a in args), fn.condition)
 
     def _dot(self, node, args: list[_Val]) -> _Val:
         for arg_node, a in zip(node.args, args, strict=True):

@@ -26,7 +26,7 @@ from algebra.rule import FusionRule
 
 from .lowering import FUNC_NAME, Geometry, signature
 from .runtime import Built
-from .tvm_adapter import ALIGNMENT, from_dlpack
+from .tvm_adapter import ALIGNMENT, from_dlpack, kernel_arg
 
 F32 = np.dtype(np.float32)
 
@@ -149,7 +149,7 @@ def output_arrays(plan: CallPlan, out: dict | None) -> tuple[dict, list]:
     for o in plan.outputs:
         buf = np.empty(o.kernel_shape, o.dtype)
         users[o.name] = buf.reshape(o.user_shape)
-        args.append(buf)
+        args.append(buf if buf.size else kernel_arg(buf))  # empty: an N = 0 stream
     return users, args
 
 
@@ -167,7 +167,7 @@ def _given_outputs(plan: CallPlan, out: dict) -> tuple[dict, list]:
         else:
             _check_out(o, given)
             users[o.name], buf = given, given.reshape(o.kernel_shape)
-        args.append(buf)
+        args.append(kernel_arg(buf))
     return users, args
 
 

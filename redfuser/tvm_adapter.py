@@ -31,7 +31,8 @@ LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
 __all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "arg_buffer", "build", "cpu_target",
            "cuda_device_name", "cuda_source", "cuda_target", "default_threads", "device",
-           "empty_aligned", "from_dlpack", "from_numpy", "nvcc_compile", "structural_equal",
+           "empty_aligned", "from_dlpack", "from_numpy", "kernel_arg", "nvcc_compile",
+           "structural_equal",
            "time_ms", "tirx"]
 
 
@@ -103,7 +104,8 @@ def from_numpy(array: np.ndarray, dev=None, align: int = ALIGNMENT):
             aligned = empty_aligned(array.shape, array.dtype, align)
             np.copyto(aligned, array)
             array = aligned
-        return tvm_ffi.from_dlpack(array, require_alignment=align, require_contiguous=True)
+        return kernel_arg(tvm_ffi.from_dlpack(array, require_alignment=align,
+                                              require_contiguous=True))
     return tvm.runtime.tensor(np.ascontiguousarray(array), dev)
 
 
@@ -111,11 +113,23 @@ def from_dlpack(tensor):
     """A TVM tensor over a host array (numpy's, or any DLPack tensor such as torch's):
     zero-copy when it is contiguous and ALIGNMENT-aligned, else an aligned numpy copy.  TVM
     never checks at call time the alignment a kernel was compiled for (a misaligned view
-    would fault or misread), so every input goes through here."""
+    would fault or misread), so every input goes through here.  An empty array (an N = 0
+    stream) becomes a TVM-allocated one: numpy and torch give it strides TVM's compact
+    check refuses ("Mismatched .strides"), and there is nothing to copy."""
     try:
-        return tvm_ffi.from_dlpack(tensor, require_alignment=ALIGNMENT, require_contiguous=True)
+        out = tvm_ffi.from_dlpack(tensor, require_alignment=ALIGNMENT, require_contiguous=True)
     except (ValueError, RuntimeError, TypeError):  # misaligned or strided: copy once
-        return from_numpy(np.from_dlpack(tensor))
+        out = from_numpy(np.from_dlpack(tensor))
+    return kernel_arg(out) if 0 in tuple(out.shape) else out
+
+
+def kernel_arg(array):
+    """``array`` as a kernel argument: as it is, except an empty one, which is replaced by
+    a TVM-allocated empty tensor of its shape and dtype (compact strides, see
+    ``from_dlpack``); the kernel never reads or writes an empty buffer."""
+    if 0 not in tuple(array.shape):
+        return array
+    return tvm.runtime.empty(tuple(array.shape), str(array.dtype), tvm.cpu(0))
 
 
 MIN_REPEAT_MS = 1  # each timed repeat runs the kernel for at least this long: a single

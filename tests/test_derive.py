@@ -41,12 +41,22 @@ def test_variance_is_anchored_not_a_sum_of_squares():
     assert lines(rule, "finalize")["var"] == "var_sum/n"
 
 
-def test_anchor_only_factor_moves_to_finalize():
+def test_anchor_power_stays_in_the_state_other_factors_move_to_finalize():
+    """A power of an anchor (1/d) is kept: the state is the spec's own normalised sum,
+    re-anchored by the ratio d/d' (repro normalised_overflow.py); a factor with other zeros
+    or poles (1/(d + 1)) moves to finalize."""
     rule = redfuser.derive("m = max(x[i]); d = sum(exp(x[i] - m)); "
                            "o = sum(exp(x[i] - m) / d * v[i])")
     comp = rule.components[2]
-    assert comp.finalize == sp.Symbol("o", real=True) / sp.Symbol("d", positive=True)
-    assert "1/d applied at finalize" in comp.case
+    d, m = sp.Symbol("d", positive=True), sp.Symbol("m", real=True)
+    assert comp.finalize == sp.Symbol("o", real=True)
+    assert sp.simplify(comp.matrix[0, 0] - d * sp.exp(m - sp.Symbol("m'", real=True))
+                       / sp.Symbol("d'", positive=True)) == 0
+    assert "1/d kept in the state" in comp.case and comp.guards == {"d"}
+    moved = redfuser.derive("m = max(x[i]); d = sum(exp(x[i] - m)); "
+                            "o = sum(exp(x[i] - m) / (d + 1) * v[i])").components[2]
+    assert moved.finalize == sp.Symbol("o", real=True) / (d + 1)
+    assert "1/(d + 1) applied at finalize" in moved.case and not moved.guards
 
 
 def test_finite_rank_two_for_entropy():
@@ -90,10 +100,17 @@ def test_non_strict_monotone_allowed_for_values_only():
         redfuser.derive("m = max(x[i]); r = argmax(relu(x[i] - m))")
 
 
-def test_product_separates_the_anchor_factor():
+def test_product_is_a_log_sum_and_a_sign_product():
+    """prod(C(a) G(x)) = prod(sign G) * sign(C)**n * exp(sum(log|C G|)): the log-sum is
+    re-anchored like any sum, so exp(x - m) stays exp(sum(x - m)) (repro prod_nan.py)."""
     rule = redfuser.derive("m = max(x[i]); p = prod(exp(x[i] - m) * x[i])")
-    assert "multiplicative separation" in rule.components[1].case
-    assert str(rule.components[1].finalize) == "p*exp(-m*n)"
+    sign, log = rule.components[1], rule.components[2]
+    assert str(sign.factor) == "sign(x)" and sign.reduction.name == "p"
+    assert "log-domain product" in log.case and "re-anchoring" in log.case
+    assert str(log.basis[0]) == "-m + x + log(Abs(x))"
+    assert str(rule.running["p"]) == "p.sign*exp(p.log)"
+    assert all(rule.status) and rule.verify()
+    assert any(o.name == "p: polar form of x" for o in rule.obligations)
 
 
 @pytest.mark.parametrize(("spec", "culprit"), [

@@ -10,7 +10,7 @@ variant stores each piece's state in a workspace and merges the pieces; the
 unfused variant runs one such loop nest per reduction.
 
 The laws of ``algebra.components`` are kept: each re-anchored state is held at its
-*working* anchors (the running value where finite, else 0), kept in registers of their
+*working* anchors (``algebra.components.working_value``), kept in registers of their
 own next to the state, and settled to the true final anchors at finalize with IEEE
 arithmetic; an unmoved anchor keeps the state (Select on equality, so -inf - -inf is
 never used) and a factor or state that is exactly 0 gives 0 (``_mul0``).
@@ -23,7 +23,13 @@ from contextlib import contextmanager
 import sympy as sp
 
 from algebra.cascade import INDEX, LENGTH
-from algebra.components import LinearComponent, SelectComponent, primed
+from algebra.components import (
+    WORKING_FALLBACK,
+    LinearComponent,
+    SelectComponent,
+    guarded_anchors,
+    primed,
+)
 from algebra.rule import FusionRule
 from algebra.skip import skip_conditions
 from algebra.stash import tile_anchor
@@ -35,7 +41,7 @@ from .invariants import rule_dots, split_invariant
 from .plan import Plan
 from .registers import Const0, States, work, working_anchors
 from .signature import F32, I64
-from .steps import SelectSteps, SettleSteps, all_of
+from .steps import SelectSteps, SettleSteps, all_of, opaque
 from .texpr import const, to_tir
 
 
@@ -61,6 +67,10 @@ class Emitter(SelectSteps, SettleSteps):
         self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
         self.anchor_names = working_anchors(rule)
         self.components, self.aliases = folded(rule)
+        self.guarded = guarded_anchors(rule.components)
+        # one value per row: parameters and N (divisions by them become hoisted reciprocals)
+        self.per_row = frozenset({k for k, g in geo.inputs.items() if g.length == 1} |
+                                 ({LENGTH} if geo.n else set()))
         self.assumed: dict = {}  # condition -> sympy true/false (``assuming``)
         self.simd, self.scratch = simd, scratch
         self.stashed: dict[int, list] = {}  # id(component) -> [(column, output buffer)]
@@ -103,7 +113,7 @@ class Emitter(SelectSteps, SettleSteps):
                 buf, width = value
                 return buf[r, slot if width > 1 else 0]
             if name == LENGTH:
-                return const(self.geo.n)
+                return const(self.geo.n) if self.geo.n else opaque(0.0)
             if name == INDEX:
                 return tirx.Cast(F32, i)
             raise KeyError(f"no value for `{sym}` while lowering")
@@ -114,7 +124,7 @@ class Emitter(SelectSteps, SettleSteps):
         if self.assumed:  # conditions known to hold on the block being emitted
             e = e.xreplace(self.assumed)
         with statement_lets(T.bind):
-            return to_tir(e, look, F32, self.plan.fast_math)
+            return to_tir(e, look, F32, self.plan.fast_math, self.per_row)
 
     @contextmanager
     def assuming(self, facts: dict):
@@ -142,9 +152,15 @@ class Emitter(SelectSteps, SettleSteps):
                 for a in names}
 
     def working(self, st, lane, r, names):
-        """The working anchors at this state: the running value where finite, else 0."""
-        return {a: T.bind(tirx.Select(isfinite(v), v, const(0)))
-                for a, v in self.running(st, lane, r, names).items()}
+        """The working anchors at this state (``algebra.components.working_value``): the
+        running value where finite (and not 0, for an anchor the state keeps a power of),
+        else the fallback."""
+        out = {}
+        for a, v in self.running(st, lane, r, names).items():
+            guarded = a in self.guarded
+            usable = tirx.And(isfinite(v), v != const(0)) if guarded else isfinite(v)
+            out[a] = T.bind(tirx.Select(usable, v, const(WORKING_FALLBACK[guarded])))
+        return out
 
     @staticmethod
     def held(st, lane, names):
@@ -373,6 +389,9 @@ class Emitter(SelectSteps, SettleSteps):
     def finalize(self, st: States, r, results: dict):
         """Every result of the rule into its per-row buffer (name -> (buffer, width)), after
         the states settle at the true final anchors."""
+        if self.geo.n == 0:
+            self._finalize_empty(r, results)
+            return
         for comp in self.components:
             if isinstance(comp, LinearComponent) and comp.anchors:
                 self._settle(st, comp, r)

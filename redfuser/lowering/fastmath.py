@@ -90,6 +90,11 @@ def isfinite(x):
     return tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7F800000)) != _i(0x7F800000)
 
 
+def isinf(x):
+    """+-inf on the bits (exponent all ones, mantissa zero), for the same reasons as ``isnan``."""
+    return tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7FFFFFFF)) == _i(0x7F800000)
+
+
 def _copysign(magnitude, sign):
     """copysign on the bits: TVM's vectorizer scalarizes the copysign intrinsic when its
     argument holds a Let (as fast_exp's result does)."""

@@ -22,6 +22,12 @@ def split_invariant(exprs, varying: set, per_slot: bool = True):
     def visit(e):
         if _hoistable(e, varying, names):
             return found.setdefault(e, sp.Dummy(f"inv{len(found)}"))
+        if e.is_Mul:  # the invariant factors of a product as one value: x/r * w[slot] is
+            fixed = [a for a in e.args if not names(a) & varying]  # one multiply per slot
+            if len(fixed) > 1 and _hoistable(sp.Mul(*fixed), varying, names):
+                rest = [visit(a) for a in e.args if names(a) & varying]
+                return sp.Mul(found.setdefault(sp.Mul(*fixed), sp.Dummy(f"inv{len(found)}")),
+                              *rest)
         return e.func(*[visit(a) for a in e.args]) if e.args else e
 
     return [visit(e) for e in exprs], found

@@ -1,8 +1,8 @@
 """Per-lane registers of a kernel: every state variable and every working anchor.
 
 A working anchor is the value a re-anchored state is currently held at (the running
-anchor where finite, else 0; see ``algebra.components``); it travels with the state into
-split workspaces and CUDA shared memory like any other register.
+anchor where usable, else a fallback: ``algebra.components.working_value``); it travels
+with the state into split workspaces and CUDA shared memory like any other register.
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
-"""Emitter steps for selections (max/min/arg/top-k) and for settling re-anchored states at
-finalize; mixed into ``emitter.Emitter`` (kept apart to keep each module readable)."""
+"""Emitter steps for selections (max/min/arg/top-k) and for finalize (settling re-anchored
+states, the results of an empty stream); mixed into ``emitter.Emitter`` (kept apart to keep
+each module readable)."""
 
 from __future__ import annotations
 
+import sympy as sp
+
 from algebra.components import INDEX_SENTINEL, primed
+from algebra.rule import empty_results
 
 from ..tvm_adapter import LEAVES, T, tirx
 from .fastmath import isfinite, isnan
@@ -99,10 +103,23 @@ class SelectSteps:
 
 
 class SettleSteps:
+    def _finalize_empty(self, r, results: dict):
+        """An empty stream (N = 0, known when the kernel is built): every reduction is its
+        law's identity and the epilogues follow (``algebra.rule.empty_results``), as in the
+        reference; no state is read (a settle at an empty max's -inf would give inf * 0)."""
+        identities, epilogues = empty_results(self.rule.cascade)
+        values = {k: opaque(v) for k, v in identities.items()}
+        for name, (buf, width) in results.items():
+            expr = epilogues.get(name, sp.Symbol(name))
+            with self.slots(width) as slot:
+                look = self.base_lookup(r, None, slot, values)
+                T.buffer_store(buf, self.expr(expr, look), [r, slot])
+
     def _settle(self, st: States, comp, r):
         """Move lane 0 of ``comp`` from its working anchors to the true ones with IEEE
-        products (exp(-inf - -inf) = NaN as in the reference); where the shift is infinite,
-        the highest power of it meeting a non-zero state dominates (``components.settle``)."""
+        products (exp(-inf - -inf) = NaN as in the reference); where the shift is infinite
+        and every column is finite, the highest power of it meeting a non-zero state
+        dominates (``components.settle``)."""
         names = [a.name for a in comp.anchors]
         held, true = self.held(st, 0, names), self.running(st, 0, r, names)
         finite = all_of([isfinite(true[a]) for a in names])
@@ -110,22 +127,33 @@ class SettleSteps:
         degree = comp.compiled("degree", comp.shift_degrees)
         cols = [c.name for c in comp.columns]
         # a branch, not a Select: where the anchors did not move (the common case) the
-        # settling products and their exp are not computed at all
-        with T.If(tirx.Not(same)), T.Then(), \
+        # settling products and their exp are not computed at all.  A NaN anchor always
+        # settles: TVM lowers not(held == true) to an ordered !=, false at NaN
+        with T.If(tirx.Or(tirx.Not(same), tirx.Not(finite))), T.Then(), \
                 self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
             look = self.state_lookup(st, 0, r, slot, {
                 **held, **{primed(a).name: true[a.name] for a in comp.anchors}})
+            columns_finite = all_of([isfinite(st.get(c, 0, slot)) for c in cols])
+            ieee = tirx.Or(finite, tirx.Not(columns_finite))  # (same: not in this branch)
             values = {}
             for g, name in enumerate(cols):
                 terms = [(degree[(g, h)], T.bind(self.expr(comp.matrix[g, h], look) *
                                                  st.get(col, 0, slot)), st.get(col, 0, slot))
                          for h, col in enumerate(cols) if comp.matrix[g, h] != 0]
                 if not comp.counts(g) and terms:
-                    values[name] = T.bind(tirx.Select(tirx.Or(same, finite), _total(terms),
-                                                      _dominant(terms)))
+                    values[name] = T.bind(tirx.Select(ieee, _total(terms), _dominant(terms)))
             for name, v in values.items():
                 st.set(name, 0, v, slot)
 
+
+
+def opaque(value: float):
+    """``value`` read back from a local cell: TVM's simplifier folds constants (and lets of
+    constants) and stops with "Divide by zero" on x / N at N = 0, where IEEE gives inf or
+    NaN; it does not track a buffer's contents."""
+    cell = T.alloc_buffer((1,), F32, scope="local")
+    T.buffer_store(cell, const(value), [0])
+    return cell[0]
 
 
 def _total(terms):

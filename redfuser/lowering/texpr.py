@@ -13,6 +13,7 @@ from collections.abc import Callable
 import sympy as sp
 
 from algebra.functions import Dot
+from algebra.numeric import mul_terms
 
 from ..tvm_adapter import LEAVES, tirx
 from . import fastmath  # vectorizable polynomial versions (TVM's exp is a scalar call)
@@ -93,11 +94,17 @@ FUNCS: dict[str, Callable] = {
     "And": lambda a, dt, exp: functools.reduce(tirx.And, a),  # sympy's And/Or are n-ary
     "Or": lambda a, dt, exp: functools.reduce(tirx.Or, a),
     "Not": lambda a, dt, exp: tirx.Not(a[0]),
+    "IsInf": lambda a, dt, exp: fastmath.isinf(a[0]),  # on the bits: never folded away
+    "IsFinite": lambda a, dt, exp: fastmath.isfinite(a[0]),
 }
 
 
-def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: bool = True):
-    """Translate ``expr``; symbols and dot products come from ``lookup``.
+def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: bool = True,
+           invariant: frozenset[str] = frozenset()):
+    """Translate ``expr``; symbols and dot products come from ``lookup``.  ``invariant``:
+    names that hold one value for the whole kernel row (parameters, N); a division by an
+    expression of them only is a multiplication by its reciprocal, which LLVM hoists out of
+    the element loop (a division by anything else is a division: ``_mul``).
 
     Examples
     --------
@@ -115,11 +122,13 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
             return const(e, dtype)
         if e.is_Add and (common := sp.factor_terms(e)).is_Mul:
             return go(common)  # (x - m) / T, not x/T - m/T: x - m is exact when x is near m
-        if e.is_Add or e.is_Mul:
+        if e.is_Mul:
+            return _mul(e, go, dtype, invariant)
+        if e.is_Add:
             terms = [go(a) for a in _ordered(e)]
             out = terms[0]
             for t in terms[1:]:
-                out = out + t if e.is_Add else out * t
+                out = out + t
             return out
         if e.is_Pow:
             return _pow(go(e.base), e.exp, dtype, go)
@@ -131,9 +140,41 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
     return go(expr)
 
 
+def _mul(e: sp.Mul, go, dtype: str, invariant: frozenset[str]):
+    """A product in the order ``algebra.numeric.mul_terms`` gives (the numpy run's): a
+    normalisation such as (x / m)**2 as a ratio first, divisors divided last, so 1/m never
+    overflows for a subnormal m.  A divisor of per-row values only (a temperature T) is a
+    reciprocal instead: loop-invariant, so LLVM computes it once per row, and a division
+    per element costs 20x a multiply."""
+    def per_row(b):
+        return {str(s) for s in b.free_symbols} <= invariant
+
+    def divide(v, b):
+        return v * (const(1, dtype) / go(b)) if per_row(b) else v / go(b)
+
+    factors, ratios, divisors = mul_terms(e)
+    values = []
+    for r in ratios:
+        steps = r.steps()
+        v = go(steps[0][1])
+        for div, b in steps[1:]:
+            v = divide(v, b) if div else v * go(b)
+        values.append(_pow(v, sp.Integer(r.power), dtype, go) if r.power != 1 else v)
+    values += [go(a) for a in _numbers_first(factors)]
+    out = values[0] if values else const(1, dtype)
+    for v in values[1:]:
+        out = out * v
+    for b in divisors:
+        out = divide(out, b)
+    return out
+
+
 def _ordered(e: sp.Expr) -> list[sp.Expr]:
     """Numbers first in products and last in sums: reads like the printed rule."""
-    args = list(e.args)
-    nums = [a for a in args if a.is_number]
-    rest = [a for a in args if not a.is_number]
-    return nums + rest if e.is_Mul else rest + nums
+    if e.is_Mul:
+        return _numbers_first(list(e.args))
+    return [a for a in e.args if not a.is_number] + [a for a in e.args if a.is_number]
+
+
+def _numbers_first(args: list[sp.Expr]) -> list[sp.Expr]:
+    return [a for a in args if a.is_number] + [a for a in args if not a.is_number]
