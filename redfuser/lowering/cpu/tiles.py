@@ -232,7 +232,7 @@ def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots,
     names = sorted({a.name for c in comps for a in c.anchors if isinstance(c, LinearComponent)})
     with T.vectorized(0, count) as k:
         look = em.base_lookup(r, base + k, 0, {**(dots(k) if dots else {}),
-                                               **em.held(st, lane, names)})
+                                               **em.row_values(em.held(st, lane, names))})
         for j, (e, _) in enumerate(parts):
             T.buffer_store(cache, em.expr(e, look), [j, k])
     column = {sym: j for j, (_, sym) in enumerate(parts)}
