@@ -31,8 +31,8 @@ from algebra.stash import tile_anchor
 from ..tvm_adapter import LEAVES, T, tirx
 from .anchors import AnchorSteps, at
 from .fastmath import statement_lets
-from .geometry import Geometry
-from .invariants import rule_dots, split_invariant
+from .geometry import Geometry, is_vec
+from .invariants import rule_dots, rule_scores, split_invariant, with_scores
 from .plan import Plan
 from .registers import Const0, States, work, working_anchors
 from .signature import F32, I64
@@ -54,11 +54,21 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
     ``simd``: the target's float32 vector width (1 where threads, not vectors, carry the
     parallelism); feature-axis loops are vectorized that wide when no lane loop is
     vectorized around them (a vector loop cannot nest).  ``scratch``: the storage scope of
-    the kernel's own registers and caches on this target."""
+    the kernel's own registers and caches on this target.  ``rounded``: the target's way to
+    round a value on its own (no FMA contraction into what reads it); each score
+    (``invariants.rule_scores``; ``scores`` passes a whole rule's to one of its unfused
+    stages) is computed through it wherever it is read, so the running max and the
+    ``exp(s - m)`` terms see the same rounded s."""
 
     def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict,
-                 simd: int = 1, scratch: str = "local"):
+                 simd: int = 1, scratch: str = "local", rounded=None, scores=None):
+        self.dot_list = rule_dots(rule)
+        rule, self.scores = with_scores(rule, rule_scores(rule) if scores is None else scores)
         self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
+        self.rounded = rounded or (lambda v: v)
+        # what varies over the feature axis: those values, and the scores that read them
+        self.vec = frozenset(geo.vec) | {k for k, e in self.scores.items()
+                                         if is_vec(e, set(geo.vec))}
         self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
         self.anchor_names = working_anchors(rule)
         self.components, self.aliases = folded(rule)
@@ -92,6 +102,8 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
             name = sym.name
             if name in extra:
                 return extra[name]
+            if name in self.scores:  # computed where it is read, always the same way
+                return T.bind(self.rounded(self.expr(self.scores[name], look)))
             if name in self.geo.inputs:
                 g = self.geo.inputs[name]
                 at = slot if g.width > 1 else 0
@@ -140,8 +152,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
     # Step 2. One element ------------------------------------------------------------
     def dots(self, r, i):
         """Every dot product of the element, bound once."""
-        return {dot: T.bind(self._dot(dot, r, i))
-                for dot in rule_dots(self.rule)}
+        return {dot: T.bind(self._dot(dot, r, i)) for dot in self.dot_list}
 
     def _dot(self, dot, r, i):
         """``slot_simd`` partial sums over the feature axis, then a halving tree: a scalar chain
@@ -219,7 +230,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
         """slot -> the element's basis values; parts that are the same for every slot of a
         feature vector (attention's exp(s - m)) are bound once, before the slot loop (or
         come precomputed: ``pre`` = (basis, values))."""
-        basis, hoisted = pre or self._hoist(comp.basis, set(self.geo.vec), self.base_lookup(
+        basis, hoisted = pre or self._hoist(comp.basis, self.vec, self.base_lookup(
             r, i, 0, {**dots, **self.row_values(anchors)}))
         return lambda slot: [self.expr(b, self.base_lookup(r, i, slot, {
             **dots, **at(anchors, slot), **hoisted})) for b in basis]
@@ -277,8 +288,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
         (an entry reading a feature-vector anchor, old or new, is computed per slot)."""
         look = self._entry_lookup(st, comp, lane, self.row_values(a_old),
                                   self.row_values(a_new), r, 0)
-        varying = set(self.geo.vec) | {primed(a).name for a in comp.anchors
-                                       if a.name in self.geo.vec}
+        varying = self.vec | {primed(a).name for a in comp.anchors if a.name in self.vec}
         return {gh: T.bind(self.expr(e, look)) for gh, e in _matrix_items(comp)
                 if e != 1 and not ({s.name for s in e.free_symbols} & varying)}
 
@@ -394,7 +404,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
         """``expr`` with its largest element-invariant parts replaced by symbols bound to
         their per-row values (mapped in the returned lookup); ``varying``: more names that
         change with the element, ``known``: more per-row values."""
-        per_element = {INDEX} | set(self.geo.vec) | set(varying) | {
+        per_element = {INDEX} | self.vec | set(self.scores) | set(varying) | {
             k for k, g in self.geo.inputs.items() if g.length > 1}
         (out,), values = self._hoist([expr], per_element, self.base_lookup(r, extra=known),
                                      per_slot=False)
