@@ -353,6 +353,9 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
         for comp in self.components:
             if isinstance(comp, LinearComponent) and comp.anchors:
                 self._settle(st, comp, r)
+        for comp in self.rule.components:
+            if isinstance(comp, SelectComponent) and comp.reselects:
+                self._reselect(st, comp, r)
         for name, expr in self.rule.running.items():
             if name not in results:
                 continue

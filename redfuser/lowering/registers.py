@@ -84,9 +84,10 @@ class States:
     def set(self, name, lane, value, slot=0):
         T.buffer_store(self.bufs[name], value, [lane, slot if self.widths[name] > 1 else 0])
 
-    def init(self, lane):
-        for name, buf in self.bufs.items():
-            value = self.inits[name]
+    def init(self, lane, names=None):
+        """Lane ``lane`` of every register (or of ``names``) to its initial value."""
+        for name in names or self.bufs:
+            buf, value = self.bufs[name], self.inits[name]
             # no loop for one slot: a loop nested in a vectorized lane loop defeats TVM
             with (T.serial(0, self.widths[name]) if self.widths[name] > 1 else Const0()) as s:
                 T.buffer_store(buf, value, [lane, s])

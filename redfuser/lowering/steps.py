@@ -134,6 +134,27 @@ class SelectSteps:
                     NAN_BITS, I32), const(float("nan")), st.get(name, 0, slot)), slot)
 
 
+    def _reselect(self, st: States, comp, r):
+        """Finalize of an index of an anchored body (``SelectComponent.reselect``): where a
+        final anchor is not finite the body is flat in g, so the selection is made again
+        over the body itself, element by element (a second pass, only in such rows)."""
+        names = [a.name for a in comp.anchors]
+        true = self.running(st, 0, r, names)
+        flat = T.alloc_buffer((1,), I32, scope=self.scratch)
+        T.buffer_store(flat, tirx.const(0, I32), [0])
+        for a in names:
+            with T.serial(0, self.geo.width(a)) as slot:  # serial: an or over the slots
+                T.buffer_store(flat, tirx.bitwise_or(flat[0], tirx.Select(
+                    isfinite(true[a](slot)), tirx.const(0, I32), tirx.const(1, I32))), [0])
+        with T.If(flat[0] != tirx.const(0, I32)), T.Then():
+            st.init(0, [s.symbol.name for s in comp.state])
+            with T.serial(0, self.geo.n) as i:
+                dots = self.dots(r, i)
+                self._select_insert(st, comp, 0, lambda slot: (self.expr(
+                    comp.reduction.body, self.base_lookup(r, i, slot, {**dots, **at(true, slot)})),
+                    tirx.Cast(I64, i)))
+
+
 def _names(comp) -> tuple[str, str | None]:
     """A selection's value state and its index state (None for value-only)."""
     return comp.state[0].symbol.name, comp.state[1].symbol.name if len(comp.state) > 1 else None
