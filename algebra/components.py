@@ -205,7 +205,8 @@ class LinearComponent(Component):
             full = sum(term for _, term, _ in rows[r])
             top = np.max([np.where(nz, d, -1) for d, _, nz in rows[r]], axis=0)
             limit = sum(np.where(nz & (d == top), term, 0) for d, term, nz in rows[r])
-            state[c.name] = np.where(finite | (top <= 0), full, limit)
+            state[c.name] = np.where(finite | (top <= 0) | _wild(state, self.columns, entries, r),
+                                     full, limit)
 
     def merge(self, left, right, out, a_left, a_right, a_out, dt):
         from_l = self._reanchor(left, a_left, a_out, dt)
@@ -315,6 +316,15 @@ class SelectComponent(Component):
         j = np.broadcast_to(np.arange(n, dtype=np.int64).reshape(n, 1), v.shape)
         order = rank_order(v, j, LAWS[self.reduction.op].direction)[..., : self.k, :]
         return np.where(flat, np.take_along_axis(j, order, axis=-2), result)
+
+
+def _wild(state: dict, columns, entries, r: int) -> np.ndarray:
+    """Where a state read by row ``r`` of the settle is not finite.  The dominant power of an
+    infinite shift decides the limit only over finite states; an infinite state means an
+    infinite element, whose body at an infinite anchor is inf - inf = NaN or an infinity
+    (its sign against the anchor's), as the IEEE sum of the terms has it."""
+    read = [np.asarray(state[columns[k].name]) for row, k, _ in entries if row == r]
+    return np.any([~np.isfinite(s) for s in read], axis=0)
 
 
 def _concat(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -103,7 +103,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
             if name in extra:
                 return extra[name]
             if name in self.scores:  # computed where it is read, always the same way
-                return T.bind(self.rounded(self.expr(self.scores[name], look)))
+                return self.rounded(self.expr(self.scores[name], look))
             if name in self.geo.inputs:
                 g = self.geo.inputs[name]
                 at = slot if g.width > 1 else 0

@@ -23,6 +23,14 @@ def all_of(conds):
     return out
 
 
+def any_of(conds):
+    """The disjunction of ``conds`` (None for none)."""
+    out = None
+    for c in conds:
+        out = c if out is None else tirx.Or(out, c)
+    return out
+
+
 class SelectSteps:
     def _better(self, comp, v, j, sv, sj):
         """(v, j) ranks before (sv, sj): NaN first (NaN wins a selection, as np.max and
@@ -133,7 +141,6 @@ class SelectSteps:
                 st.set(name, 0, tirx.Select(st.get(nan_mark(name), 0, slot) > tirx.const(
                     NAN_BITS, I32), const(float("nan")), st.get(name, 0, slot)), slot)
 
-
     def _reselect(self, st: States, comp, r):
         """Finalize of an index of an anchored body (``SelectComponent.reselect``): where a
         final anchor is not finite the body is flat in g, so the selection is made again
@@ -147,12 +154,18 @@ class SelectSteps:
                 T.buffer_store(flat, tirx.bitwise_or(flat[0], tirx.Select(
                     isfinite(true[a](slot)), tirx.const(0, I32), tirx.const(1, I32))), [0])
         with T.If(flat[0] != tirx.const(0, I32)), T.Then():
-            st.init(0, [s.symbol.name for s in comp.state])
+            # in registers of its own: only the index changes (the value state is what a
+            # twin value selection, ``emitter.folded``, reads as its own result)
+            again = self.states(1)
+            again.init(0, [s.symbol.name for s in comp.state])
             with T.serial(0, self.geo.n) as i:
                 dots = self.dots(r, i)
-                self._select_insert(st, comp, 0, lambda slot: (self.expr(
+                self._select_insert(again, comp, 0, lambda slot: (self.expr(
                     comp.reduction.body, self.base_lookup(r, i, slot, {**dots, **at(true, slot)})),
                     tirx.Cast(I64, i)))
+            index = comp.state[-1].symbol.name
+            with T.serial(0, again.widths[index]) as t:
+                st.set(index, 0, again.get(index, 0, t), t)
 
 
 def _names(comp) -> tuple[str, str | None]:
@@ -226,4 +239,6 @@ def _dominant(terms):
     picked = [tirx.Select(tirx.Or(top <= tirx.const(0, "int32"),
                                   tirx.And(s != const(0), top == tirx.const(d, "int32"))),
                           t, const(0)) for d, t, s in terms]
-    return _total([(0, p, None) for p in picked])
+    # a state that is not finite: the IEEE sum of every term (``components._wild``)
+    wild = any_of([tirx.Not(isfinite(s)) for _, _, s in terms])
+    return tirx.Select(wild, _total(terms), _total([(0, p, None) for p in picked]))
