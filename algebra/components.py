@@ -34,6 +34,7 @@ import sympy as sp
 
 from .cascade import Reduction
 from .functions import Maximum, Minimum
+from .laws import LAWS
 from .numeric import compile_expr
 from .prove import Obligation
 
@@ -231,7 +232,8 @@ class LinearComponent(Component):
             full = sum(term for _, term, _ in rows[r])
             top = np.max([np.where(nz, d, -1) for d, _, nz in rows[r]], axis=0)
             limit = sum(np.where(nz & (d == top), term, 0) for d, term, nz in rows[r])
-            state[c.name] = np.where(finite | (top <= 0), full, limit)
+            state[c.name] = np.where(finite | (top <= 0) | _wild(state, self.columns, entries, r),
+                                     full, limit)
 
     def merge(self, left, right, out, a_left, a_right, a_out, dt):
         from_l = self._reanchor(left, a_left, a_out, dt)
@@ -329,6 +331,36 @@ class SelectComponent(Component):
         v = _concat(left[value], right[value])
         j = _concat(left[index], right[index]) if index else None
         self._select(v, j, out)
+
+    @property
+    def reselects(self) -> bool:
+        """An index of an anchored body: exact only where the final anchors are finite."""
+        return bool(self.anchors) and self.state[-1].kind.is_index
+
+    def reselect(self, env: dict, result: np.ndarray, n: int, dt) -> np.ndarray:
+        """The index result where every final anchor is finite, else the selection over the
+        body itself.  The commutation argmax(F(g, a)) = argmax(g) is proven for real a; at
+        a NaN or infinite anchor F is flat (exp(x - NaN) is NaN for every x, so the lowest
+        indices win, as in the reference).  ``env``: the whole stream (*rows, N, F), the
+        parameters and the final results; ``n``: the stream length."""
+        anchors = [np.asarray(env[a.name]) for a in self.anchors]
+        flat = np.any([~np.isfinite(a) for a in anchors], axis=0)
+        if not np.any(flat):
+            return result
+        v = np.asarray(compile_expr(self.reduction.body)(env, dt), dt)
+        v = np.broadcast_to(v, np.broadcast_shapes(v.shape, flat.shape[:-2] + (n, 1)))
+        j = np.broadcast_to(np.arange(n, dtype=np.int64).reshape(n, 1), v.shape)
+        order = rank_order(v, j, LAWS[self.reduction.op].direction)[..., : self.k, :]
+        return np.where(flat, np.take_along_axis(j, order, axis=-2), result)
+
+
+def _wild(state: dict, columns, entries, r: int) -> np.ndarray:
+    """Where a state read by row ``r`` of the settle is not finite.  The dominant power of an
+    infinite shift decides the limit only over finite states; an infinite state means an
+    infinite element, whose body at an infinite anchor is inf - inf = NaN or an infinity
+    (its sign against the anchor's), as the IEEE sum of the terms has it."""
+    read = [np.asarray(state[columns[k].name]) for row, k, _ in entries if row == r]
+    return np.any([~np.isfinite(s) for s in read], axis=0)
 
 
 def _concat(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .cascade import INDEX, LENGTH
-from .components import INDEX_KEY
+from .components import INDEX_KEY, SelectComponent
 from .layout import Layout, resolve, to_user, vector_results
 from .numeric import compile_expr
 
@@ -83,6 +83,10 @@ def run(rule, inputs: dict, chunks=None, tree=None) -> dict[str, np.ndarray]:
             else _empty(rule, lay, params, tree)
         env = {**params, **{s: lay.arrays[s] for s in streams}, **final,
                INDEX: np.arange(lay.n, dtype=dt).reshape(lay.n, 1)}
+        for comp in rule.components:
+            if isinstance(comp, SelectComponent) and comp.reselects:
+                name = comp.reduction.name
+                final[name] = env[name] = comp.reselect(env, final[name], lay.n, dt)
         for name, expr in rule.cascade.elementwise.items():
             final[name] = compile_expr(expr)(env, dt)
     return to_user(rule.cascade, lay, final)

@@ -146,13 +146,41 @@ def _as_array(name: str, value) -> np.ndarray:
     if isinstance(value, Number) and not isinstance(value, bool):
         return np.asarray(value)
     if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
-        value = np.from_dlpack(value)
+        value = np.from_dlpack(resolved(value))
     if not isinstance(value, np.ndarray):
         raise TypeError(f"input '{name}' must be a number or an array, not "
                         f"{type(value).__name__}")
     if value.dtype.kind not in "fiu":
         raise TypeError(f"input '{name}' has dtype {value.dtype}; expected a real number type")
     return value
+
+
+# Lazy views a framework keeps as a bit on the tensor, not in its memory: DLPack hands over
+# the memory alone (torch's x.conj().imag reads as -x).  Method names, as torch spells them.
+VIEW_BITS = (("is_neg", "resolve_neg"), ("is_conj", "resolve_conj"))
+
+
+def resolved(tensor):
+    """``tensor`` with its lazy view bits applied (a copy, only where a bit is set), so that
+    its memory holds its values.
+
+    Examples
+    --------
+    >>> class Flipped:  # a view whose memory holds -x, as torch's negative bit marks
+    ...     def is_neg(self):
+    ...         return True
+    ...     def resolve_neg(self):
+    ...         return "a copy holding x"
+    >>> resolved(Flipped())
+    'a copy holding x'
+    >>> a = np.ones(2)
+    >>> resolved(a) is a  # no bits: the same object, no copy
+    True
+    """
+    for flag, resolve in VIEW_BITS:
+        if getattr(tensor, flag, lambda: False)():
+            tensor = getattr(tensor, resolve)()
+    return tensor
 
 
 def _working_dtype(arrays) -> np.dtype:

@@ -21,7 +21,7 @@ from numbers import Number
 import numpy as np
 
 from algebra.cascade import LENGTH
-from algebra.layout import Layout, vector_results
+from algebra.layout import VIEW_BITS, Layout, vector_results
 from algebra.rule import FusionRule
 
 from .lowering import FUNC_NAME, Geometry, signature
@@ -61,7 +61,7 @@ def _key(v) -> tuple:
     if not hasattr(v, "shape") or not hasattr(v, "dtype"):
         return ("other", type(v).__name__, None, False)  # the layout check names the problem
     contiguous = getattr(v, "is_contiguous", lambda: False)()
-    flipped = getattr(v, "is_neg", lambda: False)() or getattr(v, "is_conj", lambda: False)()
+    flipped = any(getattr(v, flag, lambda: False)() for flag, _ in VIEW_BITS)
     return (type(v).__module__, tuple(v.shape), str(v.dtype), contiguous and not flipped)
 
 
@@ -183,6 +183,10 @@ def _check_out(o: Output, given) -> None:
                         f"{type(given).__name__}")
     if shape != o.user_shape:
         raise ValueError(f"out['{o.name}'] has shape {shape}; expected {o.user_shape}")
+    for flag, _ in VIEW_BITS:  # the kernel writes memory; such a view would read it changed
+        if getattr(given, flag, lambda: False)():
+            raise ValueError(f"out['{o.name}'] is a view with its {flag[3:]} bit set (its "
+                             "memory does not hold its values): pass a plain tensor")
     if dtype.replace("torch.", "") != o.dtype.name:
         raise TypeError(f"out['{o.name}'] has dtype {dtype}; expected {o.dtype.name}")
     if isinstance(given, np.ndarray):

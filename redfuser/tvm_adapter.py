@@ -30,10 +30,9 @@ BufferLoadNode = type(tirx.decl_buffer((1,), "float32")[0])
 LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
 __all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "arg_buffer", "build", "cpu_target",
-           "cuda_device_name", "cuda_source", "cuda_target", "default_threads", "device",
-           "empty_aligned", "from_dlpack", "from_numpy", "kernel_arg", "nvcc_compile",
-           "structural_equal",
-           "time_ms", "tirx"]
+           "cuda_device_name", "cuda_rounded", "cuda_source", "cuda_target", "default_threads",
+           "device", "empty_aligned", "from_dlpack", "from_numpy", "kernel_arg", "llvm_rounded",
+           "nvcc_compile", "structural_equal", "time_ms", "tirx"]
 
 
 def default_threads() -> int:
@@ -45,6 +44,25 @@ def default_threads() -> int:
 def cpu_target() -> dict:
     """The host CPU by name: "native" and plain "llvm" silently give generic SSE code."""
     return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
+
+
+def llvm_rounded(x):
+    """``x`` behind an arithmetic fence: LLVM will not fuse the operation computing it into
+    a later one.  TVM builds every LLVM target with AllowFPOpFusion = Fast, so ``a*b - c``
+    becomes one FMA (the product unrounded) wherever the product has a single use.  (0.27's
+    call_llvm_pure_intrin takes no signature-count argument.)"""
+    return tirx.call_llvm_pure_intrin(x.ty.dtype, "llvm.arithmetic.fence", x)
+
+
+_CUDA_ROUNDED = {tirx.Mul: "__fmul_rn", tirx.Add: "__fadd_rn", tirx.Sub: "__fsub_rn"}
+
+
+def cuda_rounded(x):
+    """``x`` computed by its last operation rounded on its own: nvcc never contracts the
+    ``__f*_rn`` intrinsics into an FMA (CUDA C Programming Guide, intrinsic functions); a
+    value whose last operation is not one of these has nothing to contract."""
+    name = _CUDA_ROUNDED.get(type(x))
+    return x if name is None else tirx.call_pure_extern(x.ty.dtype, name, x.a, x.b)
 
 
 def cuda_target(arch: str = "sm_90") -> dict:

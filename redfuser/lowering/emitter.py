@@ -24,7 +24,6 @@ import sympy as sp
 
 from algebra.cascade import INDEX, LENGTH
 from algebra.components import (
-    WORKING_FALLBACK,
     LinearComponent,
     SelectComponent,
     guarded_anchors,
@@ -35,9 +34,10 @@ from algebra.skip import skip_conditions
 from algebra.stash import tile_anchor
 
 from ..tvm_adapter import LEAVES, T, tirx
-from .fastmath import isfinite, statement_lets
-from .geometry import Geometry
-from .invariants import rule_dots, split_invariant
+from .anchors import AnchorSteps, at
+from .fastmath import statement_lets
+from .geometry import Geometry, is_vec
+from .invariants import rule_dots, rule_scores, split_invariant, with_scores
 from .plan import Plan
 from .registers import Const0, States, work, working_anchors
 from .signature import F32, I64
@@ -53,17 +53,27 @@ def _mul0(a, b):
     return tirx.Select(tirx.Or(a == zero, b == zero), zero, a * b)
 
 
-class Emitter(SelectSteps, SettleSteps):
+class Emitter(AnchorSteps, SelectSteps, SettleSteps):
     """Emits the statements of one kernel into the active IRBuilder frame.
 
     ``simd``: the target's float32 vector width (1 where threads, not vectors, carry the
     parallelism); feature-axis loops are vectorized that wide when no lane loop is
     vectorized around them (a vector loop cannot nest).  ``scratch``: the storage scope of
-    the kernel's own registers and caches on this target."""
+    the kernel's own registers and caches on this target.  ``rounded``: the target's way to
+    round a value on its own (no FMA contraction into what reads it); each score
+    (``invariants.rule_scores``; ``scores`` passes a whole rule's to one of its unfused
+    stages) is computed through it wherever it is read, so the running max and the
+    ``exp(s - m)`` terms see the same rounded s."""
 
     def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict,
-                 simd: int = 1, scratch: str = "local"):
+                 simd: int = 1, scratch: str = "local", rounded=None, scores=None):
+        self.dot_list = rule_dots(rule)
+        rule, self.scores = with_scores(rule, rule_scores(rule) if scores is None else scores)
         self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
+        self.rounded = rounded or (lambda v: v)
+        # what varies over the feature axis: those values, and the scores that read them
+        self.vec = frozenset(geo.vec) | {k for k, e in self.scores.items()
+                                         if is_vec(e, set(geo.vec))}
         self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
         self.anchor_names = working_anchors(rule)
         self.components, self.aliases = folded(rule)
@@ -101,6 +111,8 @@ class Emitter(SelectSteps, SettleSteps):
             name = sym.name
             if name in extra:
                 return extra[name]
+            if name in self.scores:  # computed where it is read, always the same way
+                return self.rounded(self.expr(self.scores[name], look))
             if name in self.geo.inputs:
                 g = self.geo.inputs[name]
                 at = slot if g.width > 1 else 0
@@ -146,41 +158,10 @@ class Emitter(SelectSteps, SettleSteps):
         vals.update({n: vals[twin] for n, twin in self.aliases.items()})
         return self.base_lookup(r, None, slot, {**vals, **(extra or {})})
 
-    def running(self, st, lane, r, names):
-        """Running (true) anchor values at this state, bound once."""
-        return {a: T.bind(self.expr(self.rule.running[a], self.state_lookup(st, lane, r)))
-                for a in names}
-
-    def working(self, st, lane, r, names):
-        """The working anchors at this state (``algebra.components.working_value``): the
-        running value where finite (and not 0, for an anchor the state keeps a power of),
-        else the fallback."""
-        out = {}
-        for a, v in self.running(st, lane, r, names).items():
-            guarded = a in self.guarded
-            usable = tirx.And(isfinite(v), v != const(0)) if guarded else isfinite(v)
-            out[a] = T.bind(tirx.Select(usable, v, const(WORKING_FALLBACK[guarded])))
-        return out
-
-    @staticmethod
-    def held(st, lane, names):
-        """The working anchors the lane's states are held at (their registers)."""
-        return {a: st.get(work(a), lane) for a in names}
-
-    @staticmethod
-    def hold(st, lane, values):
-        for a, v in values.items():
-            st.set(work(a), lane, v)
-
-    def hold_for(self, st, comp, lane, r):
-        """Hold the lane at the working anchors of ``comp`` (its upstream is complete)."""
-        self.hold(st, lane, self.working(st, lane, r, [a.name for a in comp.anchors]))
-
     # Step 2. One element ------------------------------------------------------------
     def dots(self, r, i):
         """Every dot product of the element, bound once."""
-        return {dot: T.bind(self._dot(dot, r, i))
-                for dot in rule_dots(self.rule)}
+        return {dot: T.bind(self._dot(dot, r, i)) for dot in self.dot_list}
 
     def _dot(self, dot, r, i):
         """``slot_simd`` partial sums over the feature axis, then a halving tree: a scalar chain
@@ -205,12 +186,6 @@ class Emitter(SelectSteps, SettleSteps):
     def _count(self, st: States, lane):
         """The lane's count before this step (None when the rule keeps no count)."""
         return T.bind(st.get(st.count, lane)) if st.count in st.bufs else None
-
-    def _moved(self, st, lane, r, comp, new: dict) -> dict:
-        """Working anchors of ``comp`` after its upstream moved (computed once per anchor)."""
-        names = [a.name for a in comp.anchors]
-        new.update(self.working(st, lane, r, [a for a in names if a not in new]))
-        return {a: new[a] for a in names}
 
     def update(self, st: States, lane, i, r):
         dots = self.dots(r, i)
@@ -251,8 +226,9 @@ class Emitter(SelectSteps, SettleSteps):
         """Fold element i into a selection (insert it) or a product (multiply it in): the
         same step inside and outside tiles, since neither is re-anchored."""
         if isinstance(comp, SelectComponent):
-            g = self.expr(comp.core, self.base_lookup(r, i, 0, dots))
-            self._select_insert(st, comp, lane, g, tirx.Cast(I64, i), ascending=True)
+            self._select_insert(st, comp, lane, lambda slot: (
+                self.expr(comp.core, self.base_lookup(r, i, slot, dots)), tirx.Cast(I64, i)),
+                ascending=True)
             return
         name = comp.state[0].symbol.name
         with self.slots(st.widths[name]) as slot:
@@ -263,11 +239,10 @@ class Emitter(SelectSteps, SettleSteps):
         """slot -> the element's basis values; parts that are the same for every slot of a
         feature vector (attention's exp(s - m)) are bound once, before the slot loop (or
         come precomputed: ``pre`` = (basis, values))."""
-        known = {**dots, **anchors}
-        basis, hoisted = pre or self._hoist(comp.basis, set(self.geo.vec),
-                                            self.base_lookup(r, i, 0, known))
-        return lambda slot: [self.expr(b, self.base_lookup(r, i, slot, {**known, **hoisted}))
-                             for b in basis]
+        basis, hoisted = pre or self._hoist(comp.basis, self.vec, self.base_lookup(
+            r, i, 0, {**dots, **self.row_values(anchors)}))
+        return lambda slot: [self.expr(b, self.base_lookup(r, i, slot, {
+            **dots, **at(anchors, slot), **hoisted})) for b in basis]
 
     def _hoist(self, exprs, varying: set, look, per_slot: bool = True):
         """``exprs`` with their largest parts free of ``varying`` names replaced by symbols
@@ -296,7 +271,8 @@ class Emitter(SelectSteps, SettleSteps):
         width = max(st.widths.get(c, 1) for c in cols)
         entries = [self._entries(st, comp, lane, a_old, new, r) for lane, a_old, _ in sources]
         with self.slots(width) as slot:
-            terms = [self._reanchor(st, comp, lane, a_old, count, new, r, slot, ent)
+            new_at = at(new, slot)
+            terms = [self._reanchor(st, comp, lane, at(a_old, slot), count, new_at, r, slot, ent)
                      for (lane, a_old, count), ent in zip(sources, entries, strict=True)]
             extra = fresh(slot) if fresh else None
             values = {}
@@ -310,18 +286,23 @@ class Emitter(SelectSteps, SettleSteps):
             for c, v in values.items():
                 st.set(c, lane_out, v, slot)
 
-    def _entry_lookup(self, st, comp, lane, a_old, a_new, r, slot):
+    def _entry_lookup(self, st, comp, lane, a_old: dict, a_new: dict, r, slot):
+        """Lookup of the matrix entries: old anchors by name, new ones primed (values)."""
         return self.state_lookup(st, lane, r, slot, {
-            **{a.name: a_old[a.name] for a in comp.anchors},
-            **{primed(a).name: a_new[a.name] for a in comp.anchors}})
+            **{a.name: a_old[a.name] for a in comp.anchors if a.name in a_old},
+            **{primed(a).name: a_new[a.name] for a in comp.anchors if a.name in a_new}})
 
     def _entries(self, st, comp, lane, a_old, a_new, r) -> dict:
-        """Matrix entries that are the same for every slot, bound once before the slot loop."""
-        look = self._entry_lookup(st, comp, lane, a_old, a_new, r, 0)
+        """Matrix entries that are the same for every slot, bound once before the slot loop
+        (an entry reading a feature-vector anchor, old or new, is computed per slot)."""
+        look = self._entry_lookup(st, comp, lane, self.row_values(a_old),
+                                  self.row_values(a_new), r, 0)
+        varying = self.vec | {primed(a).name for a in comp.anchors if a.name in self.vec}
         return {gh: T.bind(self.expr(e, look)) for gh, e in _matrix_items(comp)
-                if e != 1 and not ({s.name for s in e.free_symbols} & set(self.geo.vec))}
+                if e != 1 and not ({s.name for s in e.free_symbols} & varying)}
 
-    def _reanchor(self, st, comp, lane, a_old, count, a_new, r, slot, entries):
+    def _reanchor(self, st, comp, lane, a_old: dict, count, a_new: dict, r, slot, entries):
+        """A(a_old -> a_new) S_lane at ``slot`` (anchor values at that slot)."""
         names = [c.name for c in comp.columns]
         look = self._entry_lookup(st, comp, lane, a_old, a_new, r, slot)
         same = all_of([a_old[a.name] == a_new[a.name] for a in comp.anchors])
@@ -367,19 +348,6 @@ class Emitter(SelectSteps, SettleSteps):
                     st.set(name, a, st.get(name, a, slot) * st.get(name, b, slot), slot)
         self.hold(st, a, moved)
 
-    def merge_select(self, st: States, comp, a, b):
-        """Lane a <- the better of lanes a and b for a selection (insert b's list for top-k)."""
-        vname = comp.state[0].symbol.name
-        jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
-        if comp.k == 1 and jname is None:
-            with self.slots(st.widths[vname]) as slot:
-                st.set(vname, a, self._best(comp, st.get(vname, a, slot),
-                                            st.get(vname, b, slot)), slot)
-        else:
-            with T.serial(0, comp.k) as t:
-                self._select_insert(st, comp, a, st.get(vname, b, t),
-                                    st.get(jname, b, t) if jname else None)
-
     def _add(self, st: States, comp, a, b):
         cols = [c.name for r, c in enumerate(comp.columns) if not comp.counts(r)]
         with self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
@@ -388,13 +356,18 @@ class Emitter(SelectSteps, SettleSteps):
 
     def finalize(self, st: States, r, results: dict):
         """Every result of the rule into its per-row buffer (name -> (buffer, width)), after
-        the states settle at the true final anchors."""
+        the states settle at the true final anchors (a max/min that folded a NaN is NaN
+        first: the anchors read it)."""
         if self.geo.n == 0:
             self._finalize_empty(r, results)
             return
+        self._mark_nans(st)
         for comp in self.components:
             if isinstance(comp, LinearComponent) and comp.anchors:
                 self._settle(st, comp, r)
+        for comp in self.rule.components:
+            if isinstance(comp, SelectComponent) and comp.reselects:
+                self._reselect(st, comp, r)
         for name, expr in self.rule.running.items():
             if name not in results:
                 continue
@@ -446,7 +419,7 @@ class Emitter(SelectSteps, SettleSteps):
         """``expr`` with its largest element-invariant parts replaced by symbols bound to
         their per-row values (mapped in the returned lookup); ``varying``: more names that
         change with the element, ``known``: more per-row values."""
-        per_element = {INDEX} | set(self.geo.vec) | set(varying) | {
+        per_element = {INDEX} | self.vec | set(self.scores) | set(varying) | {
             k for k, g in self.geo.inputs.items() if g.length > 1}
         (out,), values = self._hoist([expr], per_element, self.base_lookup(r, extra=known),
                                      per_slot=False)

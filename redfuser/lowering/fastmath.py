@@ -81,8 +81,12 @@ def isnan(x):
 
     ``tirx.isnan`` of a let-bound value inside a vectorized loop makes TVM 0.27 scalarize
     the loop and lose its variable, and ``x != x`` is folded to false by the simplifier."""
-    bits = tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7FFFFFFF))
-    return bits > _i(0x7F800000)
+    return abs_bits(x) > _i(0x7F800000)
+
+
+def abs_bits(x):
+    """The int32 bits of |x|: ordered like |x| for numbers, above those of inf for NaN."""
+    return tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7FFFFFFF))
 
 
 def isfinite(x):

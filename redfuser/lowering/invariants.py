@@ -1,11 +1,15 @@
 """Analyses of a rule's expressions the emitter uses to compute things once: the parts
-that do not vary over an axis (hoisted out of its loop) and the dot products."""
+that do not vary over an axis (hoisted out of its loop), the dot products, and the
+scores (what a selection ranks, which later reductions read again)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import sympy as sp
 from sympy.logic.boolalg import Boolean
 
+from algebra.components import LinearComponent, ProductComponent, SelectComponent
 from algebra.functions import Dot, Where
 from algebra.rule import FusionRule
 
@@ -55,3 +59,55 @@ def rule_dots(rule: FusionRule) -> list:
     """Every dot product the rule's components evaluate per element, in a fixed order."""
     return sorted({d for c in rule.components for e in component_exprs(c)
                    for d in e.atoms(Dot)}, key=str)
+
+
+def rule_scores(rule: FusionRule) -> tuple[sp.Expr, ...]:
+    """What the rule's selections rank that is computed rather than read: attention's
+    ``scale*dot(q, k)``, and each branch of a masked score ``where(c, s, -inf)``.  The
+    running max of such a score and the ``exp(s - m)`` terms must see one value per
+    element: computed twice, a compiler may round it once and fuse it into the
+    subtraction the other time (an FMA), and at |s| = 1e6 the two differ by 0.5."""
+    found = set()
+    for comp in rule.components:
+        if isinstance(comp, SelectComponent):
+            found |= _computed(comp.core)
+    return tuple(sorted(found, key=str))
+
+
+def _computed(e: sp.Expr) -> set:
+    if isinstance(e, Where):
+        return _computed(e.args[1]) | _computed(e.args[2])
+    return set() if e.is_Atom or isinstance(e, Dot) else {e}
+
+
+def score_symbol(k: int) -> sp.Symbol:
+    """The symbol standing for score ``k`` ('@' never occurs in a spec name)."""
+    return sp.Symbol(f"score@{k}", real=True)
+
+
+def with_scores(rule: FusionRule, scores) -> tuple[FusionRule, dict[str, sp.Expr]]:
+    """``rule`` with every score in its per-element expressions replaced by a symbol (the
+    largest first), and symbol name -> score."""
+    table = {score_symbol(k): e for k, e in enumerate(scores)}
+    if not table:
+        return rule, {}
+    order = sorted(((e, sym) for sym, e in table.items()), key=lambda p: -sp.count_ops(p[0]))
+
+    def sub(e):
+        return e.subs(order)
+
+    comps = tuple(_substituted(c, sub) for c in rule.components)
+    cascade = dataclasses.replace(rule.cascade, elementwise={
+        k: sub(e) for k, e in rule.cascade.elementwise.items()})
+    return dataclasses.replace(rule, cascade=cascade, components=comps, _cache={}), \
+        {sym.name: e for sym, e in table.items()}
+
+
+def _substituted(comp, sub):
+    if isinstance(comp, LinearComponent):
+        return dataclasses.replace(comp, basis=tuple(sub(b) for b in comp.basis), _cache={})
+    if isinstance(comp, SelectComponent):
+        return dataclasses.replace(comp, core=sub(comp.core), _cache={})
+    if isinstance(comp, ProductComponent):
+        return dataclasses.replace(comp, factor=sub(comp.factor), _cache={})
+    return comp

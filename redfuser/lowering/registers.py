@@ -1,19 +1,27 @@
-"""Per-lane registers of a kernel: every state variable and every working anchor.
+"""Per-lane registers of a kernel: every state variable, every working anchor, and the NaN
+mark of every plain max/min.
 
 A working anchor is the value a re-anchored state is currently held at (the running
 anchor where usable, else a fallback: ``algebra.components.working_value``); it travels
-with the state into split workspaces and CUDA shared memory like any other register.
+with the state into split workspaces and CUDA shared memory like any other register.  A
+plain max/min folds
+with the target's own float max (NaN may be dropped: TVM compiles with LLVM's
+NoNaNsFPMath) and marks NaN apart, in integers: its mark is the largest |bits| folded,
+above ``NAN_BITS`` exactly when a NaN was seen (two integer operations per element instead
+of a NaN-ordered select); finalize turns a marked value into NaN.
 """
 
 from __future__ import annotations
 
-from algebra.components import INDEX_SENTINEL, LinearComponent, StateVar
+from algebra.components import INDEX_SENTINEL, LinearComponent, SelectComponent, StateVar
 from algebra.rule import FusionRule
 
 from ..tvm_adapter import T, tirx
 from .geometry import Geometry
-from .signature import F32, I64, rule_k
+from .signature import F32, I32, I64, rule_k
 from .texpr import const
+
+NAN_BITS = 0x7F800000  # |bits| of +inf: a float32 whose |bits| exceed it is NaN
 
 
 def working_anchors(rule: FusionRule) -> list[str]:
@@ -27,15 +35,29 @@ def work(anchor: str) -> str:
     return f"{anchor}@work"
 
 
+def nan_marked(rule: FusionRule) -> list[str]:
+    """The plain max/min states (one value, no index): each gets a NaN mark."""
+    return [c.state[0].symbol.name for c in rule.components
+            if isinstance(c, SelectComponent) and c.k == 1 and len(c.state) == 1]
+
+
+def nan_mark(state: str) -> str:
+    """Name of the register holding the NaN mark of a plain max/min state."""
+    return f"{state}@nan"
+
+
 def registers(rule: FusionRule, geo: Geometry) -> dict[str, tuple[int, str, str, object]]:
     """Every per-lane register: name -> (width, dtype, kind, initial value).  A working
-    anchor starts at 0: the initial (empty) state is the same at every anchor."""
+    anchor starts at 0: the initial (empty) state is the same at every anchor; a NaN mark
+    starts at 0 (no NaN seen)."""
     out = {}
     for s in rule.state:
         out[s.symbol.name] = (register_width(rule, geo, s), I64 if s.kind.is_index else F32,
                               s.kind, s.init)
     for a in working_anchors(rule):
         out[work(a)] = (geo.width(a), F32, None, 0)  # kind None: an anchor, not a state
+    for name in nan_marked(rule):
+        out[nan_mark(name)] = (out[name][0], I32, None, 0)
     return out
 
 
@@ -50,11 +72,11 @@ class States:
     slots per lane."""
 
     def __init__(self, rule: FusionRule, geo: Geometry, lanes: int, scope: str = "local"):
-        self.bufs, self.widths, self.kinds, self.inits = {}, {}, {}, {}
+        self.bufs, self.widths, self.inits = {}, {}, {}
         self.count = rule.count.name  # the count's register, when the rule keeps one
         for name, (width, dtype, kind, init) in registers(rule, geo).items():
             self.bufs[name] = T.alloc_buffer((lanes, width), dtype, scope=scope)
-            self.widths[name], self.kinds[name], self.inits[name] = width, kind, init
+            self.widths[name], self.inits[name] = width, _initial(kind, dtype, init)
         self.lanes = lanes
 
     def get(self, name, lane, slot=0):
@@ -63,14 +85,19 @@ class States:
     def set(self, name, lane, value, slot=0):
         T.buffer_store(self.bufs[name], value, [lane, slot if self.widths[name] > 1 else 0])
 
-    def init(self, lane):
-        for name, buf in self.bufs.items():
-            kind = self.kinds[name]
-            value = tirx.const(INDEX_SENTINEL, I64) if kind is not None and kind.is_index \
-                else const(float(self.inits[name]))
+    def init(self, lane, names=None):
+        """Lane ``lane`` of every register (or of ``names``) to its initial value."""
+        for name in names or self.bufs:
+            buf, value = self.bufs[name], self.inits[name]
             # no loop for one slot: a loop nested in a vectorized lane loop defeats TVM
             with (T.serial(0, self.widths[name]) if self.widths[name] > 1 else Const0()) as s:
                 T.buffer_store(buf, value, [lane, s])
+
+
+def _initial(kind, dtype: str, init):
+    if kind is not None and kind.is_index:
+        return tirx.const(INDEX_SENTINEL, I64)  # "no index yet"
+    return tirx.const(int(init), I32) if dtype == I32 else const(float(init))
 
 
 class Const0:

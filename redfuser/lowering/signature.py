@@ -17,7 +17,7 @@ from algebra.rule import FusionRule
 
 from .geometry import Geometry, is_vec
 
-F32, I64 = "float32", "int64"
+F32, I32, I64 = "float32", "int32", "int64"
 
 
 @dataclass(frozen=True)

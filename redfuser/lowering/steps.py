@@ -4,15 +4,18 @@ each module readable)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import sympy as sp
 
 from algebra.components import INDEX_SENTINEL, primed
 from algebra.rule import empty_results
 
 from ..tvm_adapter import LEAVES, T, tirx
-from .fastmath import isfinite, isnan
-from .registers import States
-from .signature import F32, I64
+from .anchors import at
+from .fastmath import abs_bits, isfinite, isnan
+from .registers import NAN_BITS, States, nan_mark, nan_marked
+from .signature import F32, I32, I64
 from .texpr import const
 
 
@@ -21,6 +24,14 @@ def all_of(conds):
     out = None
     for c in conds:
         out = c if out is None else tirx.And(out, c)
+    return out
+
+
+def any_of(conds):
+    """The disjunction of ``conds`` (None for none)."""
+    out = None
+    for c in conds:
+        out = c if out is None else tirx.Or(out, c)
     return out
 
 
@@ -39,10 +50,14 @@ class SelectSteps:
         by_value = tirx.And(tirx.Not(nan_s), tirx.Or(gt, tirx.And(v == sv, lower)))
         return tirx.Or(empty, tirx.Or(by_nan, by_value))
 
-    def _best(self, comp, a, b):
-        """max (or min) that propagates NaN like np.maximum (LLVM's maxnum would drop it)."""
-        a, b = (v if isinstance(v, LEAVES) else T.bind(v) for v in (a, b))
-        return tirx.Select(self._better(comp, b, None, a, None), b, a)
+    def _fold_best(self, st: States, comp, lane, v, slot):
+        """A plain max/min: the target's own float max (one operation; it may drop a NaN,
+        TVM compiles with NoNaNsFPMath) and the NaN mark, the largest |bits| folded (two
+        integer operations; see ``registers``)."""
+        name, mark = comp.state[0].symbol.name, nan_mark(comp.state[0].symbol.name)
+        v = v if isinstance(v, LEAVES) else T.bind(v)
+        st.set(name, lane, _pick(comp)(st.get(name, lane, slot), v), slot)
+        st.set(mark, lane, tirx.max(st.get(mark, lane, slot), abs_bits(v)), slot)
 
     def _before_last(self, comp, v, j, sv, sj):
         """(v, j) ranks before the list's last entry (sv, sj), for an element folded after
@@ -52,19 +67,23 @@ class SelectSteps:
         empty = sj == tirx.const(INDEX_SENTINEL, I64)
         return tirx.Or(empty, tirx.And(tirx.Not(isnan(sv)), tirx.Or(isnan(v), gt)))
 
-    def _select_insert(self, st, comp, lane, v, j, ascending: bool = False):
-        vname = comp.state[0].symbol.name
-        jname = comp.state[1].symbol.name if len(comp.state) > 1 else None
-        if comp.k == 1 and jname is None:
-            with self.slots(st.widths[vname]) as slot:
-                st.set(vname, lane, self._best(comp, st.get(vname, lane, slot), v), slot)
-            return
+    def _select_insert(self, st: States, comp, lane, candidate, ascending: bool = False):
+        """Insert ``candidate(slot)`` = (value, index or None) into lane ``lane``; a k = 1
+        selection per slot of its feature vector (max(v[i, :]) is one max per feature).
+        ``ascending``: see ``_insert_k``."""
+        vname, jname = _names(comp)
         if comp.k == 1:
-            sv, sj = T.bind(st.get(vname, lane)), T.bind(st.get(jname, lane))
-            b = self._better(comp, v, j, sv, sj)  # not let-bound: TVM cannot bind boolx16
-            st.set(vname, lane, tirx.Select(b, v, sv))
-            st.set(jname, lane, tirx.Select(b, j, sj))
+            with self.slots(st.widths[vname]) as slot:
+                v, j = candidate(slot)
+                if jname is None:
+                    self._fold_best(st, comp, lane, v, slot)
+                else:
+                    sv, sj = T.bind(st.get(vname, lane, slot)), T.bind(st.get(jname, lane, slot))
+                    b = self._better(comp, v, j, sv, sj)  # not let-bound: TVM cannot bind boolx16
+                    st.set(vname, lane, tirx.Select(b, v, sv), slot)
+                    st.set(jname, lane, tirx.Select(b, j, sj), slot)
             return
+        v, j = candidate(0)
         self._insert_k(st, comp, lane, v, j, vname, jname, ascending)
 
     def _insert_k(self, st, comp, lane, v, j, vname, jname, ascending: bool):
@@ -101,6 +120,66 @@ class SelectSteps:
                 for name, buf in new.items():
                     st.set(name, lane, buf[t], t)
 
+    def merge_select(self, st: States, comp, a, b):
+        """Lane a <- the selection of lanes a and b (NaN marks combine by their max)."""
+        vname, jname = _names(comp)
+        if comp.k == 1 and jname is None:
+            mark = nan_mark(vname)
+            with self.slots(st.widths[vname]) as slot:
+                st.set(vname, a, _pick(comp)(st.get(vname, a, slot), st.get(vname, b, slot)),
+                       slot)
+                st.set(mark, a, tirx.max(st.get(mark, a, slot), st.get(mark, b, slot)), slot)
+        elif comp.k == 1:
+            self._select_insert(st, comp, a, lambda slot: (st.get(vname, b, slot),
+                                                           st.get(jname, b, slot)))
+        else:
+            with T.serial(0, comp.k) as t:
+                self._select_insert(st, comp, a, lambda _, t=t: (
+                    st.get(vname, b, t), st.get(jname, b, t) if jname else None))
+
+    def _mark_nans(self, st: States):
+        """Finalize of the plain max/min states: NaN where a NaN was folded (NaN wins a
+        selection, as in np.max)."""
+        for name in nan_marked(self.rule):
+            with self.slots(st.widths[name]) as slot:
+                st.set(name, 0, tirx.Select(st.get(nan_mark(name), 0, slot) > tirx.const(
+                    NAN_BITS, I32), const(float("nan")), st.get(name, 0, slot)), slot)
+
+    def _reselect(self, st: States, comp, r):
+        """Finalize of an index of an anchored body (``SelectComponent.reselect``): where a
+        final anchor is not finite the body is flat in g, so the selection is made again
+        over the body itself, element by element (a second pass, only in such rows)."""
+        names = [a.name for a in comp.anchors]
+        true = self.running(st, 0, r, names)
+        flat = T.alloc_buffer((1,), I32, scope=self.scratch)
+        T.buffer_store(flat, tirx.const(0, I32), [0])
+        for a in names:
+            with T.serial(0, self.geo.width(a)) as slot:  # serial: an or over the slots
+                T.buffer_store(flat, tirx.bitwise_or(flat[0], tirx.Select(
+                    isfinite(true[a](slot)), tirx.const(0, I32), tirx.const(1, I32))), [0])
+        with T.If(flat[0] != tirx.const(0, I32)), T.Then():
+            # in registers of its own: only the index changes (the value state is what a
+            # twin value selection, ``emitter.folded``, reads as its own result)
+            again = self.states(1)
+            again.init(0, [s.symbol.name for s in comp.state])
+            with T.serial(0, self.geo.n) as i:
+                dots = self.dots(r, i)
+                self._select_insert(again, comp, 0, lambda slot: (self.expr(
+                    comp.reduction.body, self.base_lookup(r, i, slot, {**dots, **at(true, slot)})),
+                    tirx.Cast(I64, i)))
+            index = comp.state[-1].symbol.name
+            with T.serial(0, again.widths[index]) as t:
+                st.set(index, 0, again.get(index, 0, t), t)
+
+
+def _names(comp) -> tuple[str, str | None]:
+    """A selection's value state and its index state (None for value-only)."""
+    return comp.state[0].symbol.name, comp.state[1].symbol.name if len(comp.state) > 1 else None
+
+
+def _pick(comp):
+    return tirx.max if comp.direction > 0 else tirx.min
+
 
 class SettleSteps:
     def _finalize_empty(self, r, results: dict):
@@ -121,29 +200,44 @@ class SettleSteps:
         and every column is finite, the highest power of it meeting a non-zero state
         dominates (``components.settle``)."""
         names = [a.name for a in comp.anchors]
-        held, true = self.held(st, 0, names), self.running(st, 0, r, names)
-        finite = all_of([isfinite(true[a]) for a in names])
-        same = all_of([held[a] == true[a] for a in names])
+        held_at, true_at = self.held(st, 0, names), self.running(st, 0, r, names)
         degree = comp.compiled("degree", comp.shift_degrees)
         cols = [c.name for c in comp.columns]
         # a branch, not a Select: where the anchors did not move (the common case) the
-        # settling products and their exp are not computed at all.  A NaN anchor always
-        # settles: TVM lowers not(held == true) to an ordered !=, false at NaN
-        with T.If(tirx.Or(tirx.Not(same), tirx.Not(finite))), T.Then(), \
+        # settling products and their exp are not computed at all (a NaN anchor always
+        # settles: TVM lowers not(held == true) to an ordered !=, false at NaN).
+        # Feature-vector anchors move slot by slot: a Select per slot instead.
+        per_row = all(self._row_anchor(a) for a in names)
+        with _unless_settled(at(held_at, 0), at(true_at, 0), per_row), \
                 self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
+            held, true = at(held_at, slot), at(true_at, slot)
+            finite = all_of([isfinite(true[a]) for a in names])
+            same = all_of([held[a] == true[a] for a in names])
             look = self.state_lookup(st, 0, r, slot, {
                 **held, **{primed(a).name: true[a.name] for a in comp.anchors}})
-            columns_finite = all_of([isfinite(st.get(c, 0, slot)) for c in cols])
-            ieee = tirx.Or(finite, tirx.Not(columns_finite))  # (same: not in this branch)
             values = {}
             for g, name in enumerate(cols):
                 terms = [(degree[(g, h)], T.bind(self.expr(comp.matrix[g, h], look) *
                                                  st.get(col, 0, slot)), st.get(col, 0, slot))
                          for h, col in enumerate(cols) if comp.matrix[g, h] != 0]
                 if not comp.counts(g) and terms:
-                    values[name] = T.bind(tirx.Select(ieee, _total(terms), _dominant(terms)))
+                    # (an unmoved anchor is finite: the held one is a working value)
+                    values[name] = T.bind(tirx.Select(finite, _total(terms), _dominant(terms)))
             for name, v in values.items():
-                st.set(name, 0, v, slot)
+                st.set(name, 0, v if per_row else tirx.Select(same, st.get(name, 0, slot), v),
+                       slot)
+
+
+@contextmanager
+def _unless_settled(held: dict, true: dict, branch: bool):
+    """The body only where some anchor moved or is not finite (``branch``), else always."""
+    if not branch:
+        yield
+        return
+    moved = tirx.Not(all_of([held[a] == true[a] for a in held]))
+    with T.If(tirx.Or(moved, tirx.Not(all_of([isfinite(v) for v in true.values()])))), \
+            T.Then():
+        yield
 
 
 
@@ -174,4 +268,6 @@ def _dominant(terms):
     picked = [tirx.Select(tirx.Or(top <= tirx.const(0, "int32"),
                                   tirx.And(s != const(0), top == tirx.const(d, "int32"))),
                           t, const(0)) for d, t, s in terms]
-    return _total([(0, p, None) for p in picked])
+    # a state that is not finite: the IEEE sum of every term (``components._wild``)
+    wild = any_of([tirx.Not(isfinite(s)) for _, _, s in terms])
+    return tirx.Select(wild, _total(terms), _total([(0, p, None) for p in picked]))

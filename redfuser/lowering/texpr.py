@@ -17,6 +17,7 @@ from algebra.numeric import mul_terms
 
 from ..tvm_adapter import LEAVES, tirx
 from . import fastmath  # vectorizable polynomial versions (TVM's exp is a scalar call)
+from .fastmath import isnan
 
 Lookup = Callable[[sp.Expr], object]  # sympy Symbol or Dot -> PrimExpr
 
@@ -58,6 +59,19 @@ def _sign(x, dtype):
                                           tirx.Select(v < zero, const(-1, dtype), v)))
 
 
+def _maximum(a, b, dtype, pick=tirx.max):
+    """np.maximum (np.minimum with ``pick=tirx.min``): a NaN on either side is the result.
+    TVM compiles with LLVM's NoNaNsFPMath, so a float max or compare may drop a NaN; the
+    test is on the bits, which no float assumption touches (docs/TVM-NOTES.md)."""
+    return share(a, lambda u: share(b, lambda v: tirx.Select(
+        tirx.Or(isnan(u), isnan(v)), u + v, pick(u, v))))  # NaN + anything is NaN
+
+
+def _relu(x, dtype):
+    zero = const(0, dtype)  # relu(NaN) = NaN, as np.maximum(x, 0)
+    return share(x, lambda v: tirx.Select(isnan(v), v, tirx.max(v, zero)))
+
+
 def _softplus(x, dtype, exp):
     zero = const(0, dtype)  # stable log(1 + exp(x))
     return share(x, lambda v: tirx.max(v, zero) + tirx.log1p(exp(-tirx.abs(v))))
@@ -70,7 +84,7 @@ FUNCS: dict[str, Callable] = {
     "Abs": lambda a, dt, exp: tirx.abs(a[0]),
     "tanh": lambda a, dt, exp: tirx.tanh(a[0]),
     "Sigmoid": lambda a, dt, exp: const(1, dt) / (const(1, dt) + exp(-a[0])),
-    "Relu": lambda a, dt, exp: tirx.max(a[0], const(0, dt)),
+    "Relu": lambda a, dt, exp: _relu(a[0], dt),
     "Step": lambda a, dt, exp: tirx.Select(a[0] >= const(0, dt), const(1, dt), const(0, dt)),
     "Softplus": lambda a, dt, exp: _softplus(a[0], dt, exp),
     "sin": lambda a, dt, exp: tirx.sin(a[0]),
@@ -82,8 +96,8 @@ FUNCS: dict[str, Callable] = {
     "ceiling": lambda a, dt, exp: tirx.ceil(a[0]),
     "Round": lambda a, dt, exp: tirx.nearbyint(a[0]),  # half to even, as numpy
     "sign": lambda a, dt, exp: _sign(a[0], dt),
-    "Maximum": lambda a, dt, exp: tirx.max(a[0], a[1]),
-    "Minimum": lambda a, dt, exp: tirx.min(a[0], a[1]),
+    "Maximum": lambda a, dt, exp: _maximum(a[0], a[1], dt),
+    "Minimum": lambda a, dt, exp: _maximum(a[0], a[1], dt, tirx.min),
     "Where": lambda a, dt, exp: tirx.Select(a[0], a[1], a[2]),  # np.where: no branch leaks
     "StrictLessThan": lambda a, dt, exp: a[0] < a[1],
     "LessThan": lambda a, dt, exp: a[0] <= a[1],

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..tvm_adapter import GenericConst, relax
 from .frag import Frag, Input, Stmt, Unliftable, merge, reframe
-from .ops import OPS, SEEDS
+from .ops import OPS, SEEDS, unlifted_reason
 from .values import Ext, Node, Operand, literal, pad_shape, static_shape
 
 
@@ -24,7 +24,7 @@ class Lifter:
     block: object
     materialise: frozenset = frozenset()
     nodes: dict = field(default_factory=dict)  # Relax var -> Node
-    failures: dict = field(default_factory=dict)  # Relax var -> (op, reason), seeds only
+    failures: dict = field(default_factory=dict)  # Relax var -> (op, reason): reductions
     absorbed: set = field(default_factory=set)  # (consumer var, operand var) read as nodes
     values: dict = field(default_factory=dict)  # every bound var of the function -> value
     seq: int = 0
@@ -41,6 +41,9 @@ class Lifter:
             value, op = b.value, _op_name(b.value)
             handler = OPS.get(op)
             if handler is None:
+                reason = unlifted_reason(op, value)
+                if reason:
+                    self.failures[b.var] = (_short(op), reason)
                 continue
             try:
                 self.nodes[b.var] = handler(self, value, b.var.ty)

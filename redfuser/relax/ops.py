@@ -58,6 +58,9 @@ STATS = {  # Relax op -> (steps, kind of the value, additive terms of the value)
     "relax.min": ((("red", "min({E})"),), "row", ()),
     "relax.variance": ((("red", "sum({E}) / N"), ("red", "sum(({E} - {0})**2) / N")), "row",
                        ()),
+    "relax.std": ((("red", "sum({E}) / N"), ("red", "sqrt(sum(({E} - {0})**2) / N)")), "row",
+                  ()),  # the population standard deviation, as TOPI's std
+    "relax.prod": ((("red", "prod({E})"),), "row", ()),
     "relax.argmax": ((("red", "argmax({E})"),), "index", ()),
     "relax.argmin": ((("red", "argmin({E})"),), "index", ()),
     # safe softmax: max, rescaled sum, normalised values
@@ -75,6 +78,34 @@ STATS = {  # Relax op -> (steps, kind of the value, additive terms of the value)
 }
 
 SEEDS = {*STATS, "relax.topk", "relax.gather_elements"}  # ops that start a cascade
+
+_ATTENTION = ("one fused op (softmax(q k^T) v inside) with no lifting: written out as "
+              "matmul, softmax, matmul it lifts and fuses")
+# Reductions the pass meets but cannot lift: op -> why (or call -> why, None where the call
+# does not reduce).  The report names each one skipped with its reason, never silently.
+UNLIFTED = {
+    "relax.nn.group_norm": "group_norm reduces over groups of channels and their spatial "
+                           "axes, not the last axis: no lifting",
+    "relax.nn.instance_norm": "instance_norm reduces over the spatial axes per channel, "
+                              "with per-channel scale and shift: no lifting",
+    "relax.nn.batch_norm": lambda call: "batch_norm in training reduces over the batch "
+                                        "(across rows, not along them): no lifting"
+                                        if bool(call.attrs.training) else None,
+    "relax.nn.attention": _ATTENTION,
+    "relax.nn.attention_bias": _ATTENTION,
+    "relax.nn.attention_var_len": _ATTENTION + " (and its lengths are symbolic)",
+    "relax.nn.cross_entropy_with_logits": "cross_entropy_with_logits reduces over the batch "
+                                          "too: no lifting (log_softmax and a sum of "
+                                          "target * logp lift)",
+    "relax.nn.nll_loss": "nll_loss gathers and averages over the batch: no lifting",
+}
+
+
+def unlifted_reason(op: str, call) -> str | None:
+    """Why a reduction op with no lifting is skipped (None: not such an op, or this call
+    does not reduce)."""
+    reason = UNLIFTED.get(op)
+    return reason(call) if callable(reason) else reason
 
 
 def _fields(template: str) -> set[str]:

@@ -32,10 +32,10 @@ from collections.abc import Callable
 from algebra.cascade import INDEX
 from algebra.rule import FusionRule
 
-from ...tvm_adapter import T, tirx
+from ...tvm_adapter import T, llvm_rounded, tirx
 from ..emitter import Emitter
 from ..geometry import Geometry
-from ..invariants import split_invariant
+from ..invariants import rule_scores, split_invariant
 from ..nests import copy_state, workspace
 from ..plan import Plan
 from ..products import Product, products, without
@@ -67,8 +67,9 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
     found = products(rule, geo)
     rest = without(rule, found)
     values = {**rowvals, **results}
-    em, em_rest = (Emitter(r, geo, plan, bufs, values, simd=LANES, scratch=REGISTER_SCOPE)
-                   for r in (rule, rest))
+    scores = rule_scores(rule)  # both emitters compute each score the same way
+    em, em_rest = (Emitter(r, geo, plan, bufs, values, simd=LANES, scratch=REGISTER_SCOPE,
+                           rounded=llvm_rounded, scores=scores) for r in (rule, rest))
     sums = {p.state: T.alloc_buffer((geo.r, _round_up(geo.d, plan.nr)), F32) for p in found}
     pieces = -(-geo.n // plan.kc)
     work = workspace(rest, geo, geo.r * pieces) if rest.components else None

@@ -26,7 +26,7 @@ from algebra.rule import FusionRule
 
 from ...tvm_adapter import T, tirx
 from ..emitter import Emitter, direct, folded
-from ..invariants import rule_dots, split_invariant
+from ..invariants import split_invariant
 from ..registers import Const0, States
 from ..signature import F32
 from .plan import LANES
@@ -197,7 +197,7 @@ def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
     """Dot products of elements base .. base + count - 1, per row, into local buffers
     (computed once, the rows sharing each streamed load); per row None (no dots) or
     k -> {dot: value at element base + k}."""
-    found = rule_dots(em.rule)
+    found = em.dot_list
     if not found:
         return [None] * len(rows)
     caches = [T.alloc_buffer((len(found), count), F32, scope=em.scratch) for _ in rows]
@@ -223,7 +223,7 @@ def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots,
     of the tile, in one loop vectorized over the elements (attention's exp(s - m) for 16
     keys at once instead of one scalar exp per key).  Returns, per comp, None or (basis
     with those parts as symbols, k -> {symbol: value at base + k})."""
-    split = [split_invariant(c.basis, set(em.geo.vec))
+    split = [split_invariant(c.basis, em.vec)
              if isinstance(c, LinearComponent) else None for c in comps]
     parts = [(e, sym) for one in split if one for e, sym in one[1].items()]
     if not parts:
@@ -232,7 +232,7 @@ def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots,
     names = sorted({a.name for c in comps for a in c.anchors if isinstance(c, LinearComponent)})
     with T.vectorized(0, count) as k:
         look = em.base_lookup(r, base + k, 0, {**(dots(k) if dots else {}),
-                                               **em.held(st, lane, names)})
+                                               **em.row_values(em.held(st, lane, names))})
         for j, (e, _) in enumerate(parts):
             T.buffer_store(cache, em.expr(e, look), [j, k])
     column = {sym: j for j, (_, sym) in enumerate(parts)}

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...tvm_adapter import T, tirx
+from ...tvm_adapter import T, llvm_rounded, tirx
 from ..emitter import Emitter
 from ..geometry import Geometry
+from ..invariants import rule_scores
 from ..nests import copy_state, epilogue_values, stages, store_results, workspace
 from ..plan import Plan
 from ..products import products
@@ -33,8 +34,9 @@ from .plan import (
 )
 
 
-def _emitter(rule, geo, plan, bufs, rowvals) -> Emitter:
-    return Emitter(rule, geo, plan, bufs, rowvals, simd=LANES, scratch=REGISTER_SCOPE)
+def _emitter(rule, geo, plan, bufs, rowvals, scores=None) -> Emitter:
+    return Emitter(rule, geo, plan, bufs, rowvals, simd=LANES, scratch=REGISTER_SCOPE,
+                   rounded=llvm_rounded, scores=scores)
 
 
 def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
@@ -76,10 +78,10 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
             em.update(st, 0, start + t, r)
 
 
-def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
+def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=None):
     if plan.mr and products(rule, geo):
         return gemm.rolling(rule, geo, plan, bufs, results, elementwise, rowvals or {}, _fold)
-    em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
+    em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results}, scores)
     if plan.row_block > 1:
         return _rolling_blocks(em, geo, plan, results, elementwise)
     if elementwise and stash_applies(rule, geo, plan):
@@ -137,14 +139,15 @@ def split(rule, geo, plan, bufs, results, elementwise):
 
 
 def unfused(rule, geo, plan, bufs, results, elementwise):
-    """One loop nest per reduction; epilogues and per-element outputs in a last one."""
-    done = {}
+    """One loop nest per reduction; epilogues and per-element outputs in a last one.  Every
+    pass computes the whole rule's scores the same way (the max's pass and the exp's)."""
+    done, scores = {}, rule_scores(rule)
     for stage, result, rowvals in stages(rule, geo):
         done.update(result)
         lanes = plan.lanes if vector_lanes(stage, geo) > 1 else 1
         blocks = plan.row_block if lanes == 1 else 1
         rolling(stage, geo, dataclasses.replace(plan, lanes=lanes, row_block=blocks), bufs,
-                result, {}, rowvals=rowvals)
+                result, {}, rowvals=rowvals, scores=scores)
     em = _emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
     with rows_loop(geo)(0, geo.r) as r:
         store_results(em, r, results)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...tvm_adapter import T, tirx
+from ...tvm_adapter import T, cuda_rounded, tirx
 from ..emitter import Emitter
+from ..invariants import rule_scores
 from ..nests import copy_state, epilogue_values, stages, store_results, workspace
 from ..registers import States
 
@@ -80,8 +81,12 @@ def _finish_row(em, t, r, threads: int, results, elementwise, fold):
     em.elementwise(r, elementwise, t, threads)
 
 
-def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
-    em = Emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results})
+def _emitter(rule, geo, plan, bufs, rowvals, scores=None) -> Emitter:
+    return Emitter(rule, geo, plan, bufs, rowvals, rounded=cuda_rounded, scores=scores)
+
+
+def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=None):
+    em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results}, scores)
     with T.launch_thread("blockIdx.x", geo.r) as r:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
             zero = tirx.const(0, "int32")
@@ -90,7 +95,7 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None):
 
 
 def split(rule, geo, plan, bufs, results, elementwise):
-    em = Emitter(rule, geo, plan, bufs, results)
+    em = _emitter(rule, geo, plan, bufs, results)
     s, chunk = plan.splits, -(-geo.n // plan.splits)
     work = workspace(rule, geo, geo.r * s)
     with T.launch_thread("blockIdx.x", geo.r * s) as rs:
@@ -115,12 +120,12 @@ def split(rule, geo, plan, bufs, results, elementwise):
 def unfused(rule, geo, plan, bufs, results, elementwise):
     """One kernel per reduction; thread 0 stores the per-row results, then every thread
     writes its share of the per-element outputs."""
-    done = {}
+    done, scores = {}, rule_scores(rule)  # each pass computes the scores the same way
     for stage, result, rowvals in stages(rule, geo):
         done.update(result)
         rolling(stage, geo, dataclasses.replace(plan, lanes=1), bufs, result, {},
-                rowvals=rowvals)
-    em = Emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
+                rowvals=rowvals, scores=scores)
+    em = _emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
     with T.launch_thread("blockIdx.x", geo.r) as r:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
             with T.If(t == 0):
