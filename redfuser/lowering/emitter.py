@@ -30,16 +30,16 @@ from algebra.components import (
     primed,
 )
 from algebra.rule import FusionRule
-from algebra.skip import skip_conditions
-from algebra.stash import tile_anchor
 
 from ..tvm_adapter import LEAVES, T, tirx
 from .anchors import AnchorSteps, at
 from .fastmath import statement_lets
 from .geometry import Geometry, is_vec
 from .invariants import rule_dots, rule_scores, split_invariant, with_scores
+from .masks import MaskSteps
+from .outputs import OutputSteps
 from .plan import Plan
-from .registers import Const0, States, work, working_anchors
+from .registers import Const0, States, working_anchors
 from .signature import F32, I64
 from .steps import SelectSteps, SettleSteps, all_of, opaque
 from .texpr import const, to_tir
@@ -53,7 +53,7 @@ def _mul0(a, b):
     return tirx.Select(tirx.Or(a == zero, b == zero), zero, a * b)
 
 
-class Emitter(AnchorSteps, SelectSteps, SettleSteps):
+class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
     """Emits the statements of one kernel into the active IRBuilder frame.
 
     ``simd``: the target's float32 vector width (1 where threads, not vectors, carry the
@@ -137,17 +137,6 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
             e = e.xreplace(self.assumed)
         with statement_lets(T.bind):
             return to_tir(e, look, F32, self.plan.fast_math, self.per_row)
-
-    @contextmanager
-    def assuming(self, facts: dict):
-        """Emit with conditions replaced by known truth values: inside a block where a
-        select's condition holds everywhere, ``where(c, a, b)`` is ``a`` (select semantics,
-        exact for inf and NaN in b)."""
-        before, self.assumed = self.assumed, {**self.assumed, **facts}
-        try:
-            yield
-        finally:
-            self.assumed = before
 
     def states(self, lanes: int) -> States:
         """Registers for ``lanes`` lanes, in this target's scratch scope."""
@@ -376,102 +365,6 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps):
                 T.buffer_store(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
                                [r, slot])
 
-    # Skipped blocks (``algebra.skip``) --------------------------------------------------
-    def block_mask(self, rows: list, base, size: int):
-        """(cond, none, every): for the rule's skip condition ``cond`` (``algebra.skip``)
-        monotone in the element index, TIR tests that it holds on no element of [base,
-        base + size) for any row of ``rows`` (the block leaves them unchanged: skip it),
-        and on every element for every row (emit it with ``cond`` true); None if there
-        is no such condition.  Tested at the block's two ends."""
-        for cond in skip_conditions(self.rule):
-            found = _index_bound(cond)
-            if found is None:
-                continue
-            op, bound = found
-            first, last = tirx.Cast(F32, base), tirx.Cast(F32, base + size - 1)
-            none, every = [], []
-            for r in rows:
-                e = T.bind(self.expr(bound, self.base_lookup(r)))
-                lo, hi = (first, last) if op in ("<=", "<") else (last, first)
-                none.append(_holds(op, lo, e, negate=True))
-                every.append(_holds(op, hi, e))
-            return cond, all_of(none), all_of(every)
-        return None
-
-    # Stashed per-element outputs (``algebra.stash``) ----------------------------------
-    def stash_into(self, outs: dict, end: int):
-        """The statistics pass writes each stashable output's basis value into ``outs[name]``
-        for elements [0, ``end``) (the caller folds them all at one set of anchors)."""
-        for name, s in self.rule.stashes.items():
-            if outs[name].shape[2] == 1:  # a scalar basis value fills a scalar output
-                comp = self.rule.components[s.component]
-                self.stashed.setdefault(id(comp), []).append((s.column, outs[name]))
-        self.stash_end = end if self.stashed else 0
-
-    def keep_stash_anchors(self, st: States):
-        """Bind the anchors the stashed values were written at (lane 0's working anchors,
-        before anything folded later moves them)."""
-        comps = [c for c in self.rule.components if id(c) in self.stashed]
-        self.stash_anchors = {tile_anchor(a, self.rule.cascade): T.bind(st.get(work(a.name), 0))
-                              for c in comps for a in c.anchors}
-
-    def _per_row(self, expr: sp.Expr, r, varying: frozenset = frozenset(), known=None):
-        """``expr`` with its largest element-invariant parts replaced by symbols bound to
-        their per-row values (mapped in the returned lookup); ``varying``: more names that
-        change with the element, ``known``: more per-row values."""
-        per_element = {INDEX} | self.vec | set(self.scores) | set(varying) | {
-            k for k, g in self.geo.inputs.items() if g.length > 1}
-        (out,), values = self._hoist([expr], per_element, self.base_lookup(r, extra=known),
-                                     per_slot=False)
-        return out, values
-
-    def elementwise(self, r, outs: dict, start=0, step: int = 1):
-        """Per-element outputs for elements start, start + step, ... (CUDA threads stride);
-        with ``simd`` > 1 (step 1) the element loop is vectorized in ``simd``-wide chunks.
-        Parts of an output that do not depend on the element (``1/d`` of softmax) are
-        computed once per row."""
-        stashed = {name for name, buf in outs.items()
-                   if any(b is buf for comp in self.stashed.values() for _, b in comp)}
-        for name, expr in self.rule.cascade.elementwise.items():
-            first = 0
-            if name in stashed:  # finish the stashed values: one multiply each
-                self._outputs(r, outs[name], STASHED * self.rule.stashes[name].factor, 0,
-                              self.stash_end, {STASHED: outs[name]}, self.stash_anchors)
-                first = self.stash_end
-            self._outputs(r, outs[name], expr, first, self.geo.n, {}, {}, start, step)
-
-    def _outputs(self, r, buf, expr, lo: int, hi: int, reads: dict, known: dict,
-                 start=0, step: int = 1):
-        """buf[r, i] = expr for elements lo <= i < hi (start, start + step, ... with CUDA's
-        strided threads); ``reads``: symbols standing for a buffer's value at the element,
-        ``known``: symbols with per-row values."""
-        expr, hoisted = self._per_row(expr, r, frozenset(s.name for s in reads), known)
-        width = buf.shape[2]
-
-        def store(i, slot):
-            values = {s: b[r, i, slot] for s, b in reads.items()}
-            look = self.base_lookup(r, i, slot, {**hoisted, **values})
-            T.buffer_store(buf, self.expr(expr, look), [r, i, slot])
-
-        vector = self.simd
-        if vector > 1 and width == 1 and step == 1 and hi - lo >= vector:
-            full = lo + (hi - lo) // vector * vector
-            with T.serial(0, (full - lo) // vector) as c:
-                with T.vectorized(0, vector) as lane:
-                    store(lo + c * vector + lane, 0)
-            with T.serial(full, hi) as i:
-                store(i, 0)
-            return
-        count = hi - lo if step == 1 else tirx.ceildiv(hi - start, step)
-        with T.serial(0, count) as c:
-            i = lo + c if step == 1 else start + c * step
-            if width > 1 and vector > 1:
-                with T.vectorized(0, width) as slot:
-                    store(i, slot)
-            else:
-                with self.slots(width) as slot:
-                    store(i, slot)
-
 
 def folded(rule: FusionRule) -> tuple[list, dict[str, str]]:
     """The components the kernel folds, and the states it reads from a twin instead: a
@@ -495,40 +388,12 @@ def folded(rule: FusionRule) -> tuple[list, dict[str, str]]:
     return order, aliases
 
 
-def _holds(op: str, i, e, negate: bool = False):
-    """``i op e`` (or its negation) in TIR."""
-    if negate:
-        op = {"<=": ">", "<": ">=", ">=": "<", ">": "<="}[op]
-    return {"<=": i <= e, "<": i < e, ">=": i >= e, ">": i > e}[op]
-
-
-def _index_bound(cond) -> tuple[str, sp.Expr] | None:
-    """(op, e) for a condition ``i op e`` with e free of the index (either side), else None."""
-    ops = {sp.LessThan: "<=", sp.StrictLessThan: "<", sp.GreaterThan: ">=",
-           sp.StrictGreaterThan: ">"}
-    if type(cond) not in ops:
-        return None
-    if getattr(cond.lhs, "name", None) == INDEX:
-        rel = cond
-    elif getattr(cond.rhs, "name", None) == INDEX:
-        rel = cond.reversed
-    else:
-        return None
-    if any(s.name == INDEX for s in rel.rhs.free_symbols):
-        return None
-    return ops[type(rel)], rel.rhs
-
-
 def direct(comp) -> bool:
     """A top-k list is folded straight into the running lane, never in a tile of its own: it
     is not re-anchored, so a tile would gain nothing, and a tile's empty list would take
     almost every element (k of each tile's elements at least) where the running list
     refuses most with one test against its k-th entry."""
     return isinstance(comp, SelectComponent) and comp.k > 1
-
-
-STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
-# user's name)
 
 
 def _matrix_items(comp):

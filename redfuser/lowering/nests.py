@@ -34,17 +34,22 @@ def copy_state(st: States, work: dict, lane, row, to_work: bool):
 
 def stage_rule(rule: FusionRule, index: int) -> FusionRule:
     """Reduction ``index`` alone, reading earlier results as per-row parameters.  A
-    selection keeps the fused rule's core: ``argtopk(exp(x - m) / d)`` ranks ``x`` (the
-    monotone commutation), since the float32 values of the body tie where the float64
-    oracle's do not (exp(-1e-11) rounds to 1)."""
+    selection keeps the fused rule's component: ``argtopk(exp(x - m) / d)`` ranks ``x``
+    (the monotone commutation), since the float32 values of the body tie where the float64
+    oracle's do not (exp(-1e-11) rounds to 1), and selects again over the body where an
+    anchor is not finite, as the fused kernel does."""
     c = rule.cascade
     red = dataclasses.replace(c.reductions[index], anchors=())
     cascade = dataclasses.replace(c, reductions=(red,), epilogues={}, elementwise={},
                                   outputs=(red.name,))
     fused = next(comp for comp in rule.components if comp.reduction.name == red.name)
-    comps = ((dataclasses.replace(fused, anchors=()),) if isinstance(fused, SelectComponent)
-             else derive_components(cascade))
-    return FusionRule(cascade, comps, running_values(cascade, comps), ())
+    if not isinstance(fused, SelectComponent):
+        comps = derive_components(cascade)
+        return FusionRule(cascade, comps, running_values(cascade, comps), ())
+    # its anchors are the earlier passes' final values: read as themselves (per-row values)
+    alone = dataclasses.replace(fused, anchors=())  # finalize reads them as symbols
+    running = {**running_values(cascade, (alone,)), **{a.name: a for a in fused.anchors}}
+    return FusionRule(cascade, (fused,), running, ())
 
 
 def stages(rule: FusionRule, geo: Geometry):

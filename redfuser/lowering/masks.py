@@ -1,0 +1,75 @@
+"""Emitter steps for masked reductions: the conditions a block of elements is known to
+meet (``algebra.skip``), so a block the mask excludes is skipped and one it includes is
+emitted with the condition true (no select); mixed into ``emitter.Emitter``."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import sympy as sp
+
+from algebra.cascade import INDEX
+from algebra.skip import skip_conditions
+
+from ..tvm_adapter import T, tirx
+from .signature import F32
+from .steps import all_of
+
+
+class MaskSteps:
+    @contextmanager
+    def assuming(self, facts: dict):
+        """Emit with conditions replaced by known truth values: inside a block where a
+        select's condition holds everywhere, ``where(c, a, b)`` is ``a`` (select semantics,
+        exact for inf and NaN in b)."""
+        before, self.assumed = self.assumed, {**self.assumed, **facts}
+        try:
+            yield
+        finally:
+            self.assumed = before
+
+    # Skipped blocks (``algebra.skip``) --------------------------------------------------
+    def block_mask(self, rows: list, base, size: int):
+        """(cond, none, every): for the rule's skip condition ``cond`` (``algebra.skip``)
+        monotone in the element index, TIR tests that it holds on no element of [base,
+        base + size) for any row of ``rows`` (the block leaves them unchanged: skip it),
+        and on every element for every row (emit it with ``cond`` true); None if there
+        is no such condition.  Tested at the block's two ends."""
+        for cond in skip_conditions(self.rule):
+            found = _index_bound(cond)
+            if found is None:
+                continue
+            op, bound = found
+            first, last = tirx.Cast(F32, base), tirx.Cast(F32, base + size - 1)
+            none, every = [], []
+            for r in rows:
+                e = T.bind(self.expr(bound, self.base_lookup(r)))
+                lo, hi = (first, last) if op in ("<=", "<") else (last, first)
+                none.append(_holds(op, lo, e, negate=True))
+                every.append(_holds(op, hi, e))
+            return cond, all_of(none), all_of(every)
+        return None
+
+
+def _holds(op: str, i, e, negate: bool = False):
+    """``i op e`` (or its negation) in TIR."""
+    if negate:
+        op = {"<=": ">", "<": ">=", ">=": "<", ">": "<="}[op]
+    return {"<=": i <= e, "<": i < e, ">=": i >= e, ">": i > e}[op]
+
+
+def _index_bound(cond) -> tuple[str, sp.Expr] | None:
+    """(op, e) for a condition ``i op e`` with e free of the index (either side), else None."""
+    ops = {sp.LessThan: "<=", sp.StrictLessThan: "<", sp.GreaterThan: ">=",
+           sp.StrictGreaterThan: ">"}
+    if type(cond) not in ops:
+        return None
+    if getattr(cond.lhs, "name", None) == INDEX:
+        rel = cond
+    elif getattr(cond.rhs, "name", None) == INDEX:
+        rel = cond.reversed
+    else:
+        return None
+    if any(s.name == INDEX for s in rel.rhs.free_symbols):
+        return None
+    return ops[type(rel)], rel.rhs

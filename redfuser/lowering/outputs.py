@@ -1,0 +1,92 @@
+"""Emitter steps for per-element outputs: the second pass that writes them, and the values
+the statistics pass stashed for them (``algebra.stash``: finished with one multiply);
+mixed into ``emitter.Emitter``."""
+
+from __future__ import annotations
+
+import sympy as sp
+
+from algebra.cascade import INDEX
+from algebra.stash import tile_anchor
+
+from ..tvm_adapter import T, tirx
+from .registers import States, work
+
+STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
+# user's name)
+
+
+class OutputSteps:
+    # Stashed per-element outputs (``algebra.stash``) ----------------------------------
+    def stash_into(self, outs: dict, end: int):
+        """The statistics pass writes each stashable output's basis value into ``outs[name]``
+        for elements [0, ``end``) (the caller folds them all at one set of anchors)."""
+        for name, s in self.rule.stashes.items():
+            if outs[name].shape[2] == 1:  # a scalar basis value fills a scalar output
+                comp = self.rule.components[s.component]
+                self.stashed.setdefault(id(comp), []).append((s.column, outs[name]))
+        self.stash_end = end if self.stashed else 0
+
+    def keep_stash_anchors(self, st: States):
+        """Bind the anchors the stashed values were written at (lane 0's working anchors,
+        before anything folded later moves them)."""
+        comps = [c for c in self.rule.components if id(c) in self.stashed]
+        self.stash_anchors = {tile_anchor(a, self.rule.cascade): T.bind(st.get(work(a.name), 0))
+                              for c in comps for a in c.anchors}
+
+    def _per_row(self, expr: sp.Expr, r, varying: frozenset = frozenset(), known=None):
+        """``expr`` with its largest element-invariant parts replaced by symbols bound to
+        their per-row values (mapped in the returned lookup); ``varying``: more names that
+        change with the element, ``known``: more per-row values."""
+        per_element = {INDEX} | self.vec | set(self.scores) | set(varying) | {
+            k for k, g in self.geo.inputs.items() if g.length > 1}
+        (out,), values = self._hoist([expr], per_element, self.base_lookup(r, extra=known),
+                                     per_slot=False)
+        return out, values
+
+    def elementwise(self, r, outs: dict, start=0, step: int = 1):
+        """Per-element outputs for elements start, start + step, ... (CUDA threads stride);
+        with ``simd`` > 1 (step 1) the element loop is vectorized in ``simd``-wide chunks.
+        Parts of an output that do not depend on the element (``1/d`` of softmax) are
+        computed once per row."""
+        stashed = {name for name, buf in outs.items()
+                   if any(b is buf for comp in self.stashed.values() for _, b in comp)}
+        for name, expr in self.rule.cascade.elementwise.items():
+            first = 0
+            if name in stashed:  # finish the stashed values: one multiply each
+                self._outputs(r, outs[name], STASHED * self.rule.stashes[name].factor, 0,
+                              self.stash_end, {STASHED: outs[name]}, self.stash_anchors)
+                first = self.stash_end
+            self._outputs(r, outs[name], expr, first, self.geo.n, {}, {}, start, step)
+
+    def _outputs(self, r, buf, expr, lo: int, hi: int, reads: dict, known: dict,
+                 start=0, step: int = 1):
+        """buf[r, i] = expr for elements lo <= i < hi (start, start + step, ... with CUDA's
+        strided threads); ``reads``: symbols standing for a buffer's value at the element,
+        ``known``: symbols with per-row values."""
+        expr, hoisted = self._per_row(expr, r, frozenset(s.name for s in reads), known)
+        width = buf.shape[2]
+
+        def store(i, slot):
+            values = {s: b[r, i, slot] for s, b in reads.items()}
+            look = self.base_lookup(r, i, slot, {**hoisted, **values})
+            T.buffer_store(buf, self.expr(expr, look), [r, i, slot])
+
+        vector = self.simd
+        if vector > 1 and width == 1 and step == 1 and hi - lo >= vector:
+            full = lo + (hi - lo) // vector * vector
+            with T.serial(0, (full - lo) // vector) as c:
+                with T.vectorized(0, vector) as lane:
+                    store(lo + c * vector + lane, 0)
+            with T.serial(full, hi) as i:
+                store(i, 0)
+            return
+        count = hi - lo if step == 1 else tirx.ceildiv(hi - start, step)
+        with T.serial(0, count) as c:
+            i = lo + c if step == 1 else start + c * step
+            if width > 1 and vector > 1:
+                with T.vectorized(0, width) as slot:
+                    store(i, slot)
+            else:
+                with self.slots(width) as slot:
+                    store(i, slot)
