@@ -37,7 +37,16 @@ os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 import redfuser  # noqa: E402
 
 from ..tune import describe, machine, tune  # noqa: E402
-from ..tvm_adapter import default_threads  # noqa: E402
+from ..tvm_adapter import (  # noqa: E402
+    IRBuilder,
+    T,
+    arg_buffer,
+    cpu_target,
+    default_threads,
+    from_numpy,
+    tirx,
+)
+from ..tvm_adapter import build as tvm_build  # noqa: E402
 from .metaschedule_compare import print_comparison  # noqa: E402
 
 
@@ -168,7 +177,8 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
         machine()
     rng = np.random.default_rng(0)
     rows, lim = [], limits(torch)
-    print(f"limits: copy {lim['gbs']:.1f} GB/s, GEMM {lim['gflops']:.1f} GFLOP/s "
+    print(f"limits: copy {lim['gbs']:.1f} GB/s, FMA peak {lim['fma']:.1f} GFLOP/s, torch's "
+          f"2048^3 GEMM {lim['gflops']:.1f} GFLOP/s "
           "(memory-bound rows: GB/s of the out= call, inputs + outputs)", flush=True)
     cols = [c for c in COLUMNS if c != "tuned" or tuned]
     print(f"{'workload':<34}" + "".join(f"{c:>{WIDTH[c]}}" for c in cols), flush=True)
@@ -262,13 +272,51 @@ def _line(row: dict, limits: dict) -> str:
     ratios.append(f"out=/read {row['out='] / row['read']:5.2f}")
     if row["flops"]:
         rate = row["flops"] / f / 1e6
-        ratios.append(f"{rate:7.1f} GFLOP/s ({rate / limits['gflops']:4.0%} of peak)")
+        ratios.append(f"{rate:7.1f} GFLOP/s ({rate / limits['fma']:4.0%} of FMA peak)")
     else:
         rate = row["bytes"] / row["out="] / 1e6
         ratios.append(f"{rate:6.1f} GB/s ({rate / limits['gbs']:4.0%} of copy)")
     if "tuned" in row:
         ratios.append(f"fused/tuned {f / row['tuned']:5.2f}")
     return f"{row['workload']:<34}" + "".join(cells) + "   " + "  ".join(ratios)
+
+
+CHAINS, LANES, STEPS = 24, 16, 1 << 22  # FMA peak: 24 independent 16-lane chains per thread
+
+
+def fma_peak() -> float:
+    """GFLOP/s of CHAINS independent 16-lane multiply-add chains per thread, on registers
+    (enough chains to cover the FMA latency of two pipes): the machine's FMA peak as a
+    kernel sees it."""
+    threads = default_threads()
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name("peak")
+            out = arg_buffer("out", (threads, CHAINS, LANES))
+            with T.parallel(0, threads) as t:
+                acc = T.alloc_buffer((CHAINS, LANES), "float32", scope="local")
+                with T.unroll(0, CHAINS) as c:
+                    with T.vectorized(0, LANES) as lane:
+                        T.buffer_store(acc, tirx.Cast("float32", c + lane), [c, lane])
+                with T.serial(0, STEPS) as _:
+                    with T.unroll(0, CHAINS) as c:
+                        with T.vectorized(0, LANES) as lane:
+                            T.buffer_store(acc, acc[c, lane] * tirx.const(0.999, "float32") +
+                                           tirx.const(1e-3, "float32"), [c, lane])
+                with T.unroll(0, CHAINS) as c:
+                    with T.vectorized(0, LANES) as lane:
+                        T.buffer_store(out, acc[c, lane], [t, c, lane])
+    fn = tvm_build(ib.get(), cpu_target())["peak"]
+    arg = from_numpy(np.zeros((threads, CHAINS, LANES), np.float32))
+    fn(arg)
+    best = min(seconds(lambda: fn(arg)) for _ in range(3))
+    return 2.0 * threads * CHAINS * LANES * STEPS / best / 1e9
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def limits(torch) -> dict:
@@ -280,7 +328,7 @@ def limits(torch) -> dict:
     gbs = 2 * src.nbytes / median_ms(lambda: np.copyto(into, src), 5) / 1e6
     a = np.ones((2048, 2048), np.float32)
     mm = (lambda: torch.from_numpy(a) @ torch.from_numpy(a)) if torch else (lambda: a @ a)
-    return {"gbs": gbs, "gflops": 2 * 2048 ** 3 / median_ms(mm, 5) / 1e6}
+    return {"gbs": gbs, "gflops": 2 * 2048 ** 3 / median_ms(mm, 5) / 1e6, "fma": fma_peak()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import os
 import re
-import time
 from collections import Counter
 
 import numpy as np
@@ -28,56 +27,13 @@ import redfuser  # noqa: E402
 
 from ..lowering import Plan  # noqa: E402
 from ..tvm_adapter import (  # noqa: E402
-    IRBuilder,
-    T,
-    arg_buffer,
-    cpu_target,
     default_threads,  # noqa: E402
-    from_numpy,
-    tirx,
-)
-from ..tvm_adapter import build as tvm_build  # noqa: E402
-from .bench import limits  # noqa: E402
+    )
+from .bench import fma_peak, limits, seconds  # noqa: E402
 
 ROW_BLOCK_PLAN = Plan("rolling", 1, tile=32, row_block=8, reason="rows in blocks of 8, tiles "
                       "of 32 (the product's plan before the GEMM micro-kernel)")
 FMA = "vfmadd"  # x86 fused multiply-add mnemonics: vfmadd132ps/213ps/231ps
-CHAINS, LANES, STEPS = 24, 16, 1 << 22  # FMA peak: 24 independent 16-lane chains per thread
-
-
-def fma_peak() -> float:
-    """GFLOP/s of CHAINS independent 16-lane multiply-add chains per thread, on registers
-    (enough chains to cover the FMA latency of two pipes): the machine's FMA peak as a
-    kernel sees it."""
-    threads = default_threads()
-    with IRBuilder() as ib:
-        with T.prim_func():
-            T.func_name("peak")
-            out = arg_buffer("out", (threads, CHAINS, LANES))
-            with T.parallel(0, threads) as t:
-                acc = T.alloc_buffer((CHAINS, LANES), "float32", scope="local")
-                with T.unroll(0, CHAINS) as c:
-                    with T.vectorized(0, LANES) as lane:
-                        T.buffer_store(acc, tirx.Cast("float32", c + lane), [c, lane])
-                with T.serial(0, STEPS) as _:
-                    with T.unroll(0, CHAINS) as c:
-                        with T.vectorized(0, LANES) as lane:
-                            T.buffer_store(acc, acc[c, lane] * tirx.const(0.999, "float32") +
-                                           tirx.const(1e-3, "float32"), [c, lane])
-                with T.unroll(0, CHAINS) as c:
-                    with T.vectorized(0, LANES) as lane:
-                        T.buffer_store(out, acc[c, lane], [t, c, lane])
-    fn = tvm_build(ib.get(), cpu_target())["peak"]
-    arg = from_numpy(np.zeros((threads, CHAINS, LANES), np.float32))
-    fn(arg)
-    best = min(_seconds(lambda: fn(arg)) for _ in range(3))
-    return 2.0 * threads * CHAINS * LANES * STEPS / best / 1e9
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def hot_loop(asm: str) -> list[str]:
@@ -150,7 +106,7 @@ def run(rows: int, n: int, d: int, rounds: int, blocks: list[str]) -> None:
     times = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
-            times[k].append(_seconds(fn))
+            times[k].append(seconds(fn))
     flops, ref = 2.0 * rows * n * d, float(np.median(times["torch"]))
     print(f"\n{rows} x {n} -> {d}, {default_threads()} threads, {rounds} interleaved rounds; "
           f"torch 2048^3 matmul {peak:.1f} GFLOP/s, FMA peak {fma:.1f} GFLOP/s")
