@@ -39,11 +39,7 @@ TILE_ELEMENTS = 8192
 # per element); "global" ones under 1 KB become allocas that LLVM promotes to registers
 # (logsumexp 64 x 2048, one thread: 0.101 -> 0.086 ms).
 REGISTER_SCOPE = "global"
-# One lane (feature vectors, dots): elements per tile, e.g. attention's keys; the D-vector is
-# rescaled once per tile.  Measured, 2 threads, tiles of 16 / 32 / 64: softmin_average
-# 512 x 2048 x D 64 10.0 / 7.6 / 6.9 ms (unfused 9.5), decode attention 8 x 32768 x D 128
-# 11.8 / 11.0 / 10.4 ms.
-KEY_TILE = 64
+KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. attention's keys
 # Rows sharing each load of a broadcast stream, and the tile they fold together.  Measured
 # on attention 512 queries x 1024 keys x D 64, one thread: (4, 16) 5.4 ms, (8, 32) 3.7 ms,
 # (16, 32) 2.9 ms but 7 s to compile; (8, 32) also helps a GEMM (3.2 -> 2.4 ms).
