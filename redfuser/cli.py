@@ -1,6 +1,7 @@
 """Command line.
 
-``redfuser derive "<spec>" | NAME | -f FILE | --all [--latex | --json]``: derive and prove.
+``redfuser derive "<spec>" | NAME | -f FILE | --all [--latex | --json] [--passes auto]``:
+derive and prove (``--passes auto``: a cascade with no one-pass rule is cut into stages).
 ``redfuser kernels [NAME ...]``: compile each library cascade (fused and unfused), check it
 against the float64 oracle and time both (what ``make demo`` runs after ``derive --all``).
 ``redfuser tune "<spec>" | NAME --shape x=4096x4096 | --model NAME_OR_FILE [--rpc HOST:PORT
@@ -74,12 +75,17 @@ def _derive_cmd(args: argparse.Namespace) -> int:
     else:
         raise UsageError("give a spec, a library name (--list), -f FILE or --all")
     try:
-        rule = derive(spec)
+        rule = derive(spec, passes=_passes(args.passes))
     except (SpecError, NotFusable) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(rule.to_latex() if args.latex else rule.to_json() if args.json else rule)
     return 0
+
+
+def _passes(text: str) -> int | str:
+    """--passes: "1" (one pass, refuse what has none) or "auto" (the fewest stages)."""
+    return 1 if text == "1" else text
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -204,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("-f", "--file", help="read the spec from a file")
     d.add_argument("--list", action="store_true", help="list the built-in cascades")
     d.add_argument("--all", action="store_true", help="derive the whole built-in library")
+    d.add_argument("--passes", choices=("1", "auto"), default="1",
+                   help="1: one pass or refuse (default); auto: the fewest one-pass stages")
     fmt = d.add_mutually_exclusive_group()
     fmt.add_argument("--latex", action="store_true", help="print LaTeX")
     fmt.add_argument("--json", action="store_true", help="print JSON")
