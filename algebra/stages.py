@@ -120,6 +120,34 @@ class StagedRule:
         return "\n".join(rf"\text{{stage {k + 1}:}}" + "\n" + s.rule.to_latex()
                          for k, s in enumerate(self.stages))
 
+    def lowered(self) -> StagedLowering:
+        """The whole cascade in ``FusionRule``'s shape, for the lowering (``redfuser.compile``
+        builds it as one row-resident kernel): every stage's components and results, with
+        ``staged`` pointing back here."""
+        rules = [s.rule for s in self.stages]
+        running = {k: v for r in rules for k, v in r.running.items()}
+        return StagedLowering(self.cascade, tuple(c for r in rules for c in r.components),
+                              running, self.status, self.name, staged=self)
+
+
+@dataclass(frozen=True)
+class StagedLowering(FusionRule):
+    """A ``StagedRule`` as the lowering reads a rule: the full cascade (inputs, outputs,
+    shapes), every stage's components and running values.  Its components are not one pass
+    (a later stage's read earlier finals), so ``update``/``merge`` refuse; ``evaluate`` runs
+    the stages."""
+
+    staged: StagedRule | None = None
+
+    def update(self, state: dict, element: dict, params: dict) -> dict:
+        raise TypeError("a staged rule has no one-pass update: fold each of .staged.stages")
+
+    def merge(self, left: dict, right: dict, params: dict) -> dict:
+        raise TypeError("a staged rule has no one-pass merge: merge within each stage")
+
+    def evaluate(self, inputs: dict, chunks=None, tree=None) -> dict:
+        return self.staged.evaluate(inputs, chunks, tree)
+
 
 # Cutting a cascade into stages ------------------------------------------------------------
 def stage_cascade(cascade: Cascade, members: list[Reduction], earlier: set[str],

@@ -173,3 +173,59 @@ def test_every_spec_derives_or_is_a_spec_error(spec, seed, data):
             np.testing.assert_array_equal(fused[k], ref[k], err_msg=k)
         else:
             assert_matches(fused[k], ref[k], 1e-6, 1e-8 * (1 + finite_max_abs(ref[k])), k)
+
+
+# -- row-resident kernels ------------------------------------------------------------------
+
+KERNEL_RTOL = 2e-5  # float32 kernels, N <= 300, polynomial exp (1 ulp): as test_lowering
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 300])
+@pytest.mark.parametrize("name", STAGED_LIBRARY)
+def test_resident_kernels_match_the_oracle(name, n):
+    inputs = example_inputs(name, n=n, rows=(3, 2))
+    kernel = redfuser.compile(name)
+    out, ref = kernel(**inputs), redfuser.reference(name, inputs)
+    assert kernel.plan.variant == "resident"
+    for k in ref:
+        assert out[k].shape == ref[k].shape, k
+        assert np.array_equal(np.isnan(out[k]), np.isnan(ref[k])), k
+        assert_matches(out[k], ref[k], KERNEL_RTOL, KERNEL_RTOL * (1 + finite_max_abs(ref[k])),
+                       k)
+
+
+def test_resident_kernel_is_one_pass_over_rows_with_every_stage_inside():
+    """One loop over the rows holds both stages' folds (not one rows loop per stage, as the
+    unfused baseline has); the non-finite rows give the oracle's values."""
+    x = np.array([[-np.inf, 1.0, 2.0, 1.0], [np.nan, 0.0, 1.0, 2.0], [-np.inf] * 4,
+                  [1e38, -1e38, 5e37, 0.0]] * 64, np.float32)  # 256 x 4: rows in parallel
+    kernel = redfuser.compile(redfuser.derive(RELU, passes="auto"))
+    out, ref = kernel(x=x, t=1.0), redfuser.reference(RELU, {"x": x, "t": 1.0})
+    for k in ref:
+        np.testing.assert_allclose(out[k], ref[k], rtol=1e-6, err_msg=k)
+    resident = kernel.source()
+    unfused = redfuser.compile(redfuser.derive(RELU, passes="auto"), variant="unfused")
+    unfused(x=x, t=1.0)
+    rows_loops = ("T.parallel(", "in range(256)")  # 256 x 4 is serial (PARALLEL_MIN_WORK)
+    assert sum(resident.count(s) for s in rows_loops) == 1
+    assert sum(unfused.source().count(s) for s in rows_loops) == 3  # max, relu sum, store
+
+
+def test_plan_says_whether_a_row_fits_the_cache():
+    from redfuser.lowering import choose, shape_geometry
+    from redfuser.lowering.staged import RESIDENT_CACHE_BYTES
+
+    rule = redfuser.derive("mad").lowered()
+    small = choose(rule, shape_geometry(rule, {"x": (8, 4096)}))
+    big = choose(rule, shape_geometry(rule, {"x": (8, 2 * RESIDENT_CACHE_BYTES // 4)}))
+    assert "stay in the 1 MB L2" in small.reason and "DRAM sees each row once" in small.reason
+    assert "do not fit the 1 MB L2" in big.reason and "2.0 MB" in big.reason
+
+
+def test_variants_that_do_not_apply_are_clear_errors():
+    with pytest.raises(ValueError, match="staged rule .* 'resident' or 'unfused'"):
+        redfuser.compile("mad", variant="rolling")(x=np.ones((2, 8), np.float32))
+    with pytest.raises(ValueError, match="this rule has one pass"):
+        redfuser.compile("softmax", variant="resident")(x=np.ones((2, 8), np.float32))
+    with pytest.raises(TypeError, match="no one-pass update"):
+        redfuser.derive("mad").lowered().update({}, {}, {})
