@@ -7,6 +7,7 @@ SpecError."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from test_fuzz import make_inputs, specs
 import redfuser
 from algebra.library import example_inputs
 from redfuser.cli import main
+from redfuser.tvm_adapter import nvcc_compile
 
 STAGED_LIBRARY = ("mad", "relu_sum", "threshold_mass")
 MAD = "mu = sum(x[i]) / N\nmad = sum(abs(x[i] - mu)) / N"
@@ -213,7 +215,7 @@ def test_resident_kernel_is_one_pass_over_rows_with_every_stage_inside():
 
 def test_plan_says_whether_a_row_fits_the_cache():
     from redfuser.lowering import choose, shape_geometry
-    from redfuser.lowering.staged import RESIDENT_CACHE_BYTES
+    from redfuser.lowering.cpu.plan import RESIDENT_CACHE_BYTES
 
     rule = redfuser.derive("mad").lowered()
     small = choose(rule, shape_geometry(rule, {"x": (8, 4096)}))
@@ -229,3 +231,18 @@ def test_variants_that_do_not_apply_are_clear_errors():
         redfuser.compile("softmax", variant="resident")(x=np.ones((2, 8), np.float32))
     with pytest.raises(TypeError, match="no one-pass update"):
         redfuser.derive("mad").lowered().update({}, {}, {})
+
+
+@pytest.mark.parametrize("name", STAGED_LIBRARY)
+def test_cuda_resident_kernel_keeps_the_row_in_shared_memory_and_compiles(name):
+    """CUDA (compile-checked here; run by ``make gpu-check`` on a GPU): one block per row
+    copies the row to shared memory once and every pass reads it there; a row too long for
+    shared memory is said to be re-read from global memory."""
+    kernel = redfuser.compile(name, target="cuda")
+    kernel.prepare(**example_inputs(name, n=300, rows=(4,)))
+    src = kernel.cuda_source()
+    assert re.search(r"__shared__ alignas\(64\) float _ptr_\d+\[300\];", src)  # the row
+    assert "shared memory" in kernel.plan.reason and "DRAM sees each row once" in kernel.plan.reason
+    assert b".target sm_90" in nvcc_compile(src, arch="sm_90")
+    kernel.prepare(**example_inputs(name, n=100_000, rows=(4,)))
+    assert "re-read it from global memory" in kernel.plan.reason
