@@ -241,3 +241,21 @@ def test_masked_kernels_match_the_oracle(variant, data):
     ref = redfuser.reference(MASKED_SOFTMAX, case)
     assert_matches(out["m"], ref["m"], 0, 0, "m")
     assert_matches(out["y"], ref["y"], RTOL, 1e-6, "y")
+
+
+@pytest.mark.parametrize("mask", [-1e30, float(np.finfo(np.float32).min), -1e4])
+def test_an_additive_mask_value_is_not_cancelled_into_the_scores(mask):
+    """A mask added to the scores (``x + where(c, 0, L)``, torch's ``finfo.min`` or -1e4)
+    stays in the masked branch only: each branch of the score is a computed value of its
+    own, and the unmasked ``exp(x/4 - m)`` must not become ``exp((x/4 + L) - L - m)``,
+    which loses x in float32 (error 0.17 at L = -1e30 before the fix)."""
+    spec = (f"t1 = where(c[i] > 0.5, 0.0, {mask!r}); t3 = x[i] * 0.25 + t1; m = max(t3); "
+            "d = sum(exp(t3 - m)); y[i] = exp(t3 - m) / d")
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.normal(0, 2, (4, 64)).astype(F32),
+              "c": (rng.random((4, 64)) > 0.3).astype(F32)}
+    ref = redfuser.reference(spec, inputs)
+    for variant in ("rolling", "unfused"):
+        out = redfuser.compile(spec, variant=variant, tune=False)(**inputs)
+        for name in ("d", "y"):
+            assert_matches(out[name], ref[name], RTOL, 1e-7, f"{variant} {name} at L = {mask}")

@@ -94,13 +94,35 @@ def with_scores(rule: FusionRule, scores) -> tuple[FusionRule, dict[str, sp.Expr
     order = sorted(((e, sym) for sym, e in table.items()), key=lambda p: -sp.count_ops(p[0]))
 
     def sub(e):
-        return e.subs(order)
+        return _replaced(e, order)
 
     comps = tuple(_substituted(c, sub) for c in rule.components)
     cascade = dataclasses.replace(rule.cascade, elementwise={
         k: sub(e) for k, e in rule.cascade.elementwise.items()})
     return dataclasses.replace(rule, cascade=cascade, components=comps, _cache={}), \
         {sym.name: e for sym, e in table.items()}
+
+
+def _replaced(e: sp.Expr, order) -> sp.Expr:
+    """``e`` with each score of ``order`` [(score, symbol)] replaced where it occurs as a
+    subtree or as a subset of a sum's terms, and nowhere else.  Not ``subs``: sympy
+    substitutes a sum into a sum it only overlaps (``(x/4 - m).subs(x/4 - L, s)`` is
+    ``s + L - m``), which in float32 computes x/4 - L + L: x is lost for L = 1e30."""
+    for score, symbol in order:
+        if e == score:
+            return symbol
+    if e.is_Add:
+        terms, found = list(e.args), []
+        for score, symbol in order:
+            parts = list(score.args) if score.is_Add else [score]
+            if all(terms.count(t) >= parts.count(t) for t in parts):
+                for t in parts:
+                    terms.remove(t)
+                found.append(symbol)
+        return sp.Add(*[_replaced(t, order) for t in terms], *found)
+    if e.args and not e.is_Atom:
+        return e.func(*[_replaced(a, order) for a in e.args])
+    return e
 
 
 def _substituted(comp, sub):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import numpy as np
 import sympy as sp
 
 from algebra.functions import Dot
@@ -23,6 +24,12 @@ Lookup = Callable[[sp.Expr], object]  # sympy Symbol or Dot -> PrimExpr
 
 
 def const(value: float, dtype: str = "float32"):
+    """A literal of ``dtype``, rounded to it first: sympy carries torch's mask value
+    ``finfo(float32).min`` as a float64 a hair below -FLT_MAX, which TVM refuses as out of
+    range, while float32 rounds it to -FLT_MAX (and a value past the range to an infinity)."""
+    if dtype == "float32":
+        with np.errstate(over="ignore"):
+            value = np.float32(float(value))
     return tirx.const(float(value), dtype)
 
 
