@@ -102,6 +102,17 @@ def arg_buffer(name: str, shape: tuple, dtype: str = "float32"):
     return T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=ALIGNMENT)
 
 
+def arg_alias(buf, shape: tuple, dtype: str = "float32"):
+    """A view of argument buffer ``buf`` with another (flattened) shape over the same
+    memory, aligned as the argument is."""
+    return T.decl_buffer(shape, dtype, data=buf.data, align=ALIGNMENT)
+
+
+def shape_var(name: str, dtype: str = "int64"):
+    """A TIR shape variable (bound from an argument's shape when the kernel is called)."""
+    return tirx.Var(name, dtype)
+
+
 def empty_aligned(shape: tuple, dtype, align: int = ALIGNMENT) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on an ``align``-byte boundary."""
     dtype = np.dtype(dtype)

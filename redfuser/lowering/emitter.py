@@ -34,7 +34,7 @@ from algebra.rule import FusionRule
 from ..tvm_adapter import LEAVES, T, tirx
 from .anchors import AnchorSteps, at
 from .fastmath import statement_lets
-from .geometry import Geometry, is_vec
+from .geometry import Geometry, is_one, is_streamed, is_vec, same_rows
 from .invariants import rule_dots, rule_scores, split_invariant, with_scores
 from .masks import MaskSteps
 from .outputs import OutputSteps
@@ -79,8 +79,8 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         self.components, self.aliases = folded(rule)
         self.guarded = guarded_anchors(rule.components)
         # one value per row: parameters and N (divisions by them become hoisted reciprocals)
-        self.per_row = frozenset({k for k, g in geo.inputs.items() if g.length == 1} |
-                                 ({LENGTH} if geo.n else set()))
+        self.per_row = frozenset({k for k, g in geo.inputs.items() if is_one(g.length)} |
+                                 ({LENGTH} if not geo.static or geo.n else set()))
         self.assumed: dict = {}  # condition -> sympy true/false (``assuming``)
         self.simd, self.scratch = simd, scratch
         self.stashed: dict[int, list] = {}  # id(component) -> [(column, output buffer)]
@@ -91,12 +91,12 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
     # Step 1. Reading values ---------------------------------------------------------
     def row_of(self, name: str, r):
         g = self.geo.inputs[name]
-        if g.rows == self.geo.rows:
+        if same_rows(g.rows, self.geo.rows):
             return r
         idx, inner = tirx.const(0, I64), 1
         for size, stride, own in reversed(list(zip(self.geo.rows, g.strides, g.rows,
                                                    strict=True))):
-            if own > 1:
+            if not is_one(own):
                 idx = idx + tirx.floormod(tirx.floordiv(r, inner), size) * stride
             inner *= size
         return idx
@@ -116,7 +116,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
             if name in self.geo.inputs:
                 g = self.geo.inputs[name]
                 at = slot if g.width > 1 else 0
-                pos = i if g.length > 1 else 0
+                pos = i if is_streamed(g.length) else 0
                 return self.bufs[name][self.row_of(name, r), pos, at]
             if name in self.rowvals:
                 value = self.rowvals[name]
@@ -125,6 +125,8 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
                 buf, width = value
                 return buf[r, slot if width > 1 else 0]
             if name == LENGTH:
+                if not self.geo.static:  # a shape variable
+                    return tirx.Cast(F32, self.geo.n)
                 return const(self.geo.n) if self.geo.n else opaque(0.0)
             if name == INDEX:
                 return tirx.Cast(F32, i)
@@ -347,9 +349,19 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         """Every result of the rule into its per-row buffer (name -> (buffer, width)), after
         the states settle at the true final anchors (a max/min that folded a NaN is NaN
         first: the anchors read it)."""
+        if not self.geo.static:  # N is known when the kernel runs: both, behind a branch
+            with T.If(self.geo.n == tirx.const(0, I64)):
+                with T.Then():
+                    self._finalize_empty(r, results)
+                with T.Else():
+                    self._finalize_folded(st, r, results)
+            return
         if self.geo.n == 0:
             self._finalize_empty(r, results)
             return
+        self._finalize_folded(st, r, results)
+
+    def _finalize_folded(self, st: States, r, results: dict):
         self._mark_nans(st)
         for comp in self.components:
             if isinstance(comp, LinearComponent) and comp.anchors:
