@@ -3,7 +3,8 @@
 A ``Backend`` carries what differs between targets: the TVM target it compiles for, the
 policy that picks a plan (``cpu/plan.py``, ``cuda/plan.py``: lanes and row blocks, or
 threads per block and SM count) and the one for symbolic shapes where it has one, the
-loop nests of each variant (``cpu/variants.py``, ``cuda/variants.py``), and whether the kernel writes its outputs in host memory.
+loop nests of each variant (``cpu/variants.py``, ``cuda/variants.py``), and whether the
+kernel writes its outputs in host memory.
 Nothing else in redfuser tests the target's name.
 """
 
