@@ -212,15 +212,25 @@ def with_root_block(func):
     return func.with_body(SBlockRealize([], True, SBlock([], [], [], "root", func.body)))
 
 
-def import_torch(model, args: tuple) -> IRModule:
+def import_torch(model, args: tuple, dynamic_shapes=None) -> IRModule:
     """A PyTorch module as Relax through TVM's own importer (torch.export, then
-    from_exported_program); the model runs in inference mode."""
+    from_exported_program); the model runs in inference mode.  ``dynamic_shapes`` is
+    torch.export's (``torch.export.Dim`` per symbolic axis): those axes become Relax
+    shape variables."""
     # lazily: torch is an optional dependency, and loading it costs seconds
     import torch
     from tvm.relax.frontend.torch import from_exported_program  # (imports torch)
 
     with torch.no_grad():
-        return from_exported_program(torch.export.export(model, tuple(args)))
+        exported = torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes)
+        return from_exported_program(exported)
+
+
+def provably_equal(a, b) -> bool:
+    """Are two shape values (ints or TIR expressions of shape variables) equal for every
+    value of the variables?"""
+    return bool(tvm.sym.Analyzer().can_prove_equal(tirx.const(a, "int64") if isinstance(
+        a, int) else a, tirx.const(b, "int64") if isinstance(b, int) else b))
 
 
 def build_relax(mod: IRModule, pipeline, target: dict):

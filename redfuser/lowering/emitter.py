@@ -87,12 +87,24 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         self.stash_end = 0  # elements [0, stash_end) of each row hold stashed values
         self.stash_anchors: dict = {}  # tile anchor symbol -> the value they were written at
         self.slot_simd = simd if plan.lanes == 1 else 1  # lanes > 1: the lane loop is vector
+        self.bound_rows: tuple = (None, {})  # (row, input -> its bound row index)
 
     # Step 1. Reading values ---------------------------------------------------------
+    def bind_rows(self, r):
+        """Bind each broadcast input's row index once for row ``r``: with shape variables
+        it is a floordiv/floormod chain that TVM would otherwise simplify at every access
+        (attention on rows (1, H, L): 175 s to compile instead of seconds)."""
+        self.bound_rows = (r, {})
+        self.bound_rows = (r, {name: T.bind(self.row_of(name, r))
+                               for name, g in self.geo.inputs.items()
+                               if not same_rows(g.rows, self.geo.rows)})
+
     def row_of(self, name: str, r):
         g = self.geo.inputs[name]
         if same_rows(g.rows, self.geo.rows):
             return r
+        if self.bound_rows[0] is r and name in self.bound_rows[1]:
+            return self.bound_rows[1][name]
         idx, inner = tirx.const(0, I64), 1
         for size, stride, own in reversed(list(zip(self.geo.rows, g.strides, g.rows,
                                                    strict=True))):

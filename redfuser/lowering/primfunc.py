@@ -14,10 +14,11 @@ FUNC_NAME = "redfuser_kernel"
 
 
 def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC_NAME,
-                   target: str = "cpu"):
+                   target: str = "cpu", fixed_rows: frozenset = frozenset()):
     """One PrimFunc whose arguments follow ``signature(rule, geo)``: inputs (R_in, L, F)
     in sorted name order, then outputs in spec order; its body is the target's loop nest
-    of ``plan.variant``.
+    of ``plan.variant``.  A dynamic plan makes every row axis and N a shape variable,
+    except the row axes in ``fixed_rows`` (indices), which keep their size in ``geo``.
 
     Examples
     --------
@@ -30,8 +31,9 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC
     True
     """
     if plan.dynamic:
-        rows = tuple(shape_var(f"rows{k}", I64) for k in range(len(geo.rows)))
-        geo = symbolic_geometry(rule, geo, rows, shape_var("n", I64))
+        rows = tuple(size if k in fixed_rows else shape_var(f"rows{k}", I64)
+                     for k, size in enumerate(geo.rows))
+        geo = symbolic_geometry(rule, geo, rows, shape_var("length", I64))
     sig = signature(rule, geo)
     with IRBuilder() as ib:
         with T.prim_func():

@@ -103,6 +103,8 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=No
     if elementwise and stash_applies(rule, geo, plan):
         em.stash_into(elementwise, plan.lanes * plan.tile)
     with rows_loop(geo)(0, geo.r) as r:
+        if not geo.static:
+            em.bind_rows(r)
         st = em.states(2 * plan.lanes)
         for lane in range(plan.lanes):
             st.init(lane)
@@ -171,6 +173,8 @@ def unfused(rule, geo, plan, bufs, results, elementwise):
                 result, {}, rowvals=rowvals, scores=scores)
     em = _emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
     with rows_loop(geo)(0, geo.r) as r:
+        if not geo.static:
+            em.bind_rows(r)
         store_results(em, r, results)
         em.elementwise(r, elementwise)
 
