@@ -52,8 +52,8 @@ def unprobe(value: int, probes: dict):
     --------
     >>> from redfuser.tvm_adapter import shape_var
     >>> n = shape_var("n")
-    >>> unprobe(13 * 64, {n: 13}), unprobe(64, {n: 13})
-    (n * 64, 64)
+    >>> str(unprobe(13 * 13 * 64, {n: 13})), unprobe(64, {n: 13})
+    ('n * n * T.int64(64)', 64)
     """
     factors, rest = [], int(value)
     for var, p in probes.items():
