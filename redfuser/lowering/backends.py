@@ -30,6 +30,7 @@ class Backend:
     choose: Callable[..., Plan]
     variants: Mapping[str, Callable]
     host_memory: bool  # outputs are written where the caller's arrays live (no copy back)
+    resident_fit: Callable[..., str]  # where a staged rule's row stays between its passes
     # the policy of one kernel for every row count and N (``Plan.dynamic``); None: the
     # target builds per shape only
     dynamic: Callable[..., Plan] | None = None
@@ -37,8 +38,9 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "cpu": Backend("cpu", cpu_target, cpu_plan.choose, cpu_variants.VARIANTS, True,
-                   cpu_plan.dynamic_plan),
-    "cuda": Backend("cuda", cuda_target, cuda_plan.choose, cuda_variants.VARIANTS, False),
+                   cpu_plan.resident_fit, cpu_plan.dynamic_plan),
+    "cuda": Backend("cuda", cuda_target, cuda_plan.choose, cuda_variants.VARIANTS, False,
+                    cuda_plan.resident_fit),
 }
 
 
