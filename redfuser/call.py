@@ -25,6 +25,7 @@ from algebra.layout import VIEW_BITS, Layout, vector_results
 from algebra.rule import FusionRule
 
 from .lowering import FUNC_NAME, Geometry, signature
+from .lowering.signature import call_shapes
 from .runtime import Built
 from .tvm_adapter import ALIGNMENT, from_dlpack, kernel_arg
 
@@ -82,7 +83,7 @@ class CallPlan:
     geo: Geometry
     built: Built
     func: object
-    inputs: tuple[tuple[str, tuple[int, int, int]], ...]  # kernel argument order
+    inputs: tuple[tuple[str, tuple[int, ...]], ...]  # kernel argument order and view
     outputs: tuple[Output, ...]
     direct: bool
     to_caller: object  # numpy array -> the caller's tensor kind, zero-copy (None: numpy)
@@ -93,18 +94,20 @@ def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
               key: tuple, inputs: dict) -> CallPlan:
     """The ``CallPlan`` of a signature whose layout was checked and whose kernel is built
     (``inputs``: the first call's, whose kinds the key fixes)."""
-    sig = signature(rule, geo)
+    sig, dynamic = signature(rule, geo), built.plan.dynamic
+    shapes = call_shapes(rule, geo, dynamic)  # the kernel's view of every argument
     vector = vector_results(rule.cascade, layout.vector)
-    outs = tuple(Output(a.name, a.shape, _user_shape(rule, layout, a, vector),
-                        np.dtype(a.dtype)) for a in sig.outputs)
+    outs = tuple(Output(a.name, shape, _user_shape(rule, layout, a, vector),
+                        np.dtype(a.dtype))
+                 for a, shape in zip(sig.outputs, shapes[len(sig.inputs):], strict=True))
     for o in outs:
         if prod(o.user_shape) != prod(o.kernel_shape):  # the two conventions must agree
             raise RuntimeError(f"output '{o.name}': kernel shape {o.kernel_shape} does not "
                                f"hold user shape {o.user_shape}")
     direct = all(k[-1] and (k[2] is None or _is_f32(k[2])) for _, k in key)
     return CallPlan(geo, built, built.executable[FUNC_NAME],
-                    tuple((a.name, a.shape) for a in sig.inputs), outs, direct,
-                    caller_kind(inputs))
+                    tuple((a.name, shape) for a, shape in zip(sig.inputs, shapes, strict=False)),
+                    outs, direct, caller_kind(inputs))
 
 
 def _is_f32(dtype) -> bool:

@@ -9,6 +9,9 @@ any DLPack tensor such as torch's), and outputs are views of the buffers the ker
 wrote, of the inputs' kind (``call.py``); ``out=`` takes preallocated ones.  Kernels
 are specialised per input signature: the first call with new shapes compiles (tens of
 milliseconds), later calls only look the signature up (``CallPlan``).
+With ``dynamic=True`` one kernel serves every row count and stream length: rows and N
+are TIR shape variables (``lowering.geometry.symbolic_geometry``), so a call with new
+lengths reuses the build; ``kernel.builds`` counts compilations.
 The plan of a new geometry comes from the tuning database when it has one (``tune``:
 None reads it, True also searches a missing shape, "model" takes the cost model's first
 choice for a missing shape without measuring, False ignores the database;
@@ -17,6 +20,7 @@ choice for a missing shape without measuring, False ignores the database;
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections import OrderedDict
 from numbers import Number
@@ -37,6 +41,7 @@ from .call import (
     output_arrays,
 )
 from .lowering import Geometry, Plan, backend, choose, geometry
+from .lowering.geometry import dynamic_key, fits
 from .lowering.plan import check_variant
 from .runtime import Built, allocate_outputs, build, random_inputs, time_built
 from .runtime import input_tensors as layout_tensors
@@ -75,6 +80,10 @@ def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  #
     ``splits`` or ``threads`` also bypasses it.  A corrupt database is ignored with a
     warning.
 
+    ``dynamic=True`` (CPU): one build per row rank, D and broadcast pattern serves every row
+    count and N (the plan says "dynamic shapes"; no split, row blocks, GEMM blocking,
+    stash or tuning database: per-shape kernels stay the default where those pay).
+
     Examples
     --------
     >>> import numpy as np, redfuser
@@ -82,10 +91,28 @@ def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  #
     >>> out = k(x=np.array([[0.0, 1.0, 2.0]], np.float32))
     >>> np.round(out["y"], 4)
     array([[0.09  , 0.2447, 0.6652]], dtype=float32)
+    >>> k = redfuser.compile("softmax", dynamic=True)
+    >>> [k(x=np.ones((r, n), np.float32))["d"].shape for r, n in ((2, 5), (3, 100))]
+    [(2,), (3,)]
+    >>> k.builds
+    1
     """
     rule = rule_or_spec if isinstance(rule_or_spec, (FusionRule, StagedRule)) else \
         derive(rule_or_spec)
     return Kernel(rule.lowered() if isinstance(rule, StagedRule) else rule, target, **options)
+
+
+def _check_dynamic(rule: FusionRule, backend_, splits, tune, plan) -> None:
+    """Refuse what a kernel for every shape cannot honour, naming the option."""
+    if backend_.dynamic is None:
+        raise ValueError(f"dynamic=True builds CPU kernels only, not target "
+                         f"'{backend_.name}'")
+    if splits is not None or (plan is not None and plan.variant == "split"):
+        raise ValueError("splits cut each row by its length: they need dynamic=False")
+    if tune not in (None, False):
+        raise ValueError("tune searches one shape: it needs dynamic=False")
+    if not rule.cascade.streams:
+        raise ValueError("dynamic=True needs a streamed input: N is read from its shape")
 
 
 def _check_options(variant, splits, fast_math, threads, tune, plan) -> None:
@@ -108,9 +135,16 @@ class Kernel:
 
     def __init__(self, rule: FusionRule, target: str = "cpu", variant: str | None = None,
                  splits: int | None = None, fast_math: bool = True, threads: int | None = None,
-                 tune: bool | str | None = None, plan: Plan | None = None):
+                 tune: bool | str | None = None, plan: Plan | None = None,
+                 dynamic: bool = False):
         self.backend = backend(target)
         _check_options(variant, splits, fast_math, threads, tune, plan)
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"dynamic must be True or False, not {dynamic!r}")
+        if dynamic:
+            _check_dynamic(rule, self.backend, splits, tune, plan)
+            plan = plan and dataclasses.replace(plan, dynamic=True)
+        self.dynamic, self.builds = dynamic, 0  # builds: compilations so far
         self.rule, self.target, self.tune, self.fixed_plan = rule, target, tune, plan
         self.options = {"variant": variant, "splits": splits, "fast_math": fast_math,
                         "threads": threads}
@@ -152,15 +186,28 @@ class Kernel:
             return self._build(geo, self._hand_written(geo))
 
     def _build(self, geo: Geometry, plan: Plan) -> Built:
-        key = (geo.key(), plan)
+        key = (self._dynamic_key(geo, plan) if plan.dynamic else geo.key(), plan)
         if key not in self._cache:
             self._cache[key] = build(self.rule, geo, plan, self.target)
+            self.builds += 1
             _evict(self._cache)
         self._cache.move_to_end(key)
         self._last = self._cache[key]
         return self._last
 
+    def _dynamic_key(self, geo: Geometry, plan: Plan) -> tuple:
+        """The dynamic build ``geo`` runs on: its own broadcast pattern's, else an earlier
+        build it fits (``geometry.fits``), so one build serves as many calls as it can."""
+        key = dynamic_key(self.rule, geo)
+        if (key, plan) in self._cache:
+            return key
+        return next((k for k, p in self._cache if p == plan and fits(k, self.rule, geo)),
+                    key)
+
     def _hand_written(self, geo: Geometry) -> Plan:
+        if self.dynamic:
+            return self.backend.dynamic(self.rule, geo, self.options["variant"],
+                                        self.options["fast_math"])
         return choose(self.rule, geo, target=self.target, **self.options)
 
     def _plan(self, geo: Geometry) -> tuple[Plan, bool]:
@@ -170,7 +217,7 @@ class Kernel:
         hand-written policy's."""
         pinned = any(self.options[k] is not None for k in ("variant", "splits", "threads"))
         staged = isinstance(self.rule, StagedLowering)  # the tuner searches one-pass plans
-        if self.tune is not False and not pinned and not staged:
+        if self.tune is not False and not pinned and not staged and not self.dynamic:
             fast_math = self.options["fast_math"]
             plan = tuned_plan(self.rule, geo, self.target, fast_math, search=self.tune is True,
                               measure=self.time_plan)
@@ -215,7 +262,7 @@ class Kernel:
         users, _ = output_arrays(plan, out)
         tensors = [from_numpy(np.asarray(users[o.name]).reshape(o.kernel_shape), dev)
                    for o in plan.outputs]
-        plan.func(*layout_tensors(layout, plan.geo, dev), *tensors)
+        plan.func(*layout_tensors(layout, plan.geo, dev, plan.built.plan.dynamic), *tensors)
         for o, t in zip(plan.outputs, tensors, strict=True):
             np.copyto(np.asarray(users[o.name]).reshape(o.kernel_shape), t.numpy())
         return in_kind(users, out, plan.to_caller)
@@ -226,14 +273,16 @@ class Kernel:
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
         built = self._compiled(geo)
-        args = layout_tensors(layout, geo, built.device())
-        return time_built(built, args + list(allocate_outputs(self.rule, geo).values()), repeat)
+        args = layout_tensors(layout, geo, built.device(), built.plan.dynamic)
+        outs = allocate_outputs(self.rule, geo, built.plan.dynamic)
+        return time_built(built, args + list(outs.values()), repeat)
 
     def time_plan(self, geo: Geometry, plan: Plan, repeat: int = 5, seed: int = 0) -> float:
         """Median milliseconds of ``plan`` built for ``geo`` on random inputs of that
         geometry (what the schedule search measures; the build is cached like a call's)."""
         built = self._compiled(geo, plan)
-        args = random_inputs(geo, seed) + list(allocate_outputs(self.rule, geo).values())
+        args = random_inputs(geo, seed, plan.dynamic) + \
+            list(allocate_outputs(self.rule, geo, plan.dynamic).values())
         return time_built(built, args, repeat)
 
     # Step 4. Show ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ from algebra.rule import FusionRule
 
 from .lowering import FUNC_NAME, Geometry, Plan, backend, build_primfunc, signature
 from .lowering.fastmath import elementwise_kernel
+from .lowering.signature import param_shape
 from .tvm_adapter import build as tvm_build
 from .tvm_adapter import cpu_target, device, empty_aligned, export_library, from_numpy, time_ms
 
@@ -50,24 +51,32 @@ def export(built: Built, path: str, cross_cc: str | None = None) -> None:
     export_library(built.executable, path, cross_cc)
 
 
-def input_tensors(layout: Layout, geo: Geometry, dev) -> list:
+def _input_shape(g, dynamic: bool) -> tuple:
+    """(R_in, L, F), or (*own rows, L, F) for a dynamic kernel (``signature.param_shape``)."""
+    return (*g.rows, g.length, g.width) if dynamic else (g.count, g.length, g.width)
+
+
+def input_tensors(layout: Layout, geo: Geometry, dev, dynamic: bool = False) -> list:
     """Inputs as (R_in, L, F) tensors in the kernel's argument order (sorted names)."""
-    return [from_numpy(layout.arrays[k].reshape(g.count, g.length, g.width), dev)
+    return [from_numpy(layout.arrays[k].reshape(_input_shape(g, dynamic)), dev)
             for k, g in sorted(geo.inputs.items())]
 
 
-def allocate_outputs(rule: FusionRule, geo: Geometry) -> dict[str, np.ndarray]:
+def allocate_outputs(rule: FusionRule, geo: Geometry,
+                     dynamic: bool = False) -> dict[str, np.ndarray]:
     """Fresh aligned arrays for every output, in the kernel's argument order."""
-    return {a.name: empty_aligned(a.shape, a.dtype) for a in signature(rule, geo).outputs}
+    sig = signature(rule, geo)
+    return {a.name: empty_aligned(param_shape(a, geo, False) if dynamic else a.shape, a.dtype)
+            for a in sig.outputs}
 
 
-def random_inputs(geo: Geometry, seed: int = 0) -> list[np.ndarray]:
+def random_inputs(geo: Geometry, seed: int = 0, dynamic: bool = False) -> list[np.ndarray]:
     """Random inputs of ``geo`` in argument order: streams ~ N(0, 1); per-row parameters
     in [0.5, 1) (an eps or a scale stays positive)."""
     g = np.random.default_rng(seed)
     out = []
     for _, inp in sorted(geo.inputs.items()):
-        shape = (inp.count, inp.length, inp.width)
+        shape = _input_shape(inp, dynamic)
         out.append(g.standard_normal(shape, np.float32) if inp.length > 1 else
                    g.uniform(0.5, 1.0, shape).astype(np.float32))
     return out

@@ -102,6 +102,17 @@ def arg_buffer(name: str, shape: tuple, dtype: str = "float32"):
     return T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=ALIGNMENT)
 
 
+def arg_alias(buf, shape: tuple, dtype: str = "float32"):
+    """A view of argument buffer ``buf`` with another (flattened) shape over the same
+    memory, aligned as the argument is."""
+    return T.decl_buffer(shape, dtype, data=buf.data, align=ALIGNMENT)
+
+
+def shape_var(name: str, dtype: str = "int64"):
+    """A TIR shape variable (bound from an argument's shape when the kernel is called)."""
+    return tirx.Var(name, dtype)
+
+
 def empty_aligned(shape: tuple, dtype, align: int = ALIGNMENT) -> np.ndarray:
     """An uninitialised C-contiguous array whose data starts on an ``align``-byte boundary."""
     dtype = np.dtype(dtype)
@@ -201,15 +212,25 @@ def with_root_block(func):
     return func.with_body(SBlockRealize([], True, SBlock([], [], [], "root", func.body)))
 
 
-def import_torch(model, args: tuple) -> IRModule:
+def import_torch(model, args: tuple, dynamic_shapes=None) -> IRModule:
     """A PyTorch module as Relax through TVM's own importer (torch.export, then
-    from_exported_program); the model runs in inference mode."""
+    from_exported_program); the model runs in inference mode.  ``dynamic_shapes`` is
+    torch.export's (``torch.export.Dim`` per symbolic axis): those axes become Relax
+    shape variables."""
     # lazily: torch is an optional dependency, and loading it costs seconds
     import torch
     from tvm.relax.frontend.torch import from_exported_program  # (imports torch)
 
     with torch.no_grad():
-        return from_exported_program(torch.export.export(model, tuple(args)))
+        exported = torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes)
+        return from_exported_program(exported)
+
+
+def provably_equal(a, b) -> bool:
+    """Are two shape values (ints or TIR expressions of shape variables) equal for every
+    value of the variables?"""
+    return bool(tvm.sym.Analyzer().can_prove_equal(tirx.const(a, "int64") if isinstance(
+        a, int) else a, tirx.const(b, "int64") if isinstance(b, int) else b))
 
 
 def build_relax(mod: IRModule, pipeline, target: dict):

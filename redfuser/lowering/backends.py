@@ -2,8 +2,9 @@
 
 A ``Backend`` carries what differs between targets: the TVM target it compiles for, the
 policy that picks a plan (``cpu/plan.py``, ``cuda/plan.py``: lanes and row blocks, or
-threads per block and SM count), the loop nests of each variant (``cpu/variants.py``,
-``cuda/variants.py``), and whether the kernel writes its outputs in host memory.
+threads per block and SM count) and the one for symbolic shapes where it has one, the
+loop nests of each variant (``cpu/variants.py``, ``cuda/variants.py``), and whether the
+kernel writes its outputs in host memory.
 Nothing else in redfuser tests the target's name.
 """
 
@@ -30,11 +31,14 @@ class Backend:
     variants: Mapping[str, Callable]
     host_memory: bool  # outputs are written where the caller's arrays live (no copy back)
     resident_fit: Callable[..., str]  # where a staged rule's row stays between its passes
+    # the policy of one kernel for every row count and N (``Plan.dynamic``); None: the
+    # target builds per shape only
+    dynamic: Callable[..., Plan] | None = None
 
 
 BACKENDS: dict[str, Backend] = {
     "cpu": Backend("cpu", cpu_target, cpu_plan.choose, cpu_variants.VARIANTS, True,
-                   cpu_plan.resident_fit),
+                   cpu_plan.resident_fit, cpu_plan.dynamic_plan),
     "cuda": Backend("cuda", cuda_target, cuda_plan.choose, cuda_variants.VARIANTS, False,
                     cuda_plan.resident_fit),
 }

@@ -34,7 +34,7 @@ from algebra.rule import FusionRule
 from ..tvm_adapter import LEAVES, T, tirx
 from .anchors import AnchorSteps, at
 from .fastmath import statement_lets
-from .geometry import Geometry, is_vec
+from .geometry import Geometry, is_one, is_streamed, is_vec, same_rows
 from .invariants import rule_dots, rule_scores, split_invariant, with_scores
 from .masks import MaskSteps
 from .outputs import OutputSteps
@@ -79,24 +79,36 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         self.components, self.aliases = folded(rule)
         self.guarded = guarded_anchors(rule.components)
         # one value per row: parameters and N (divisions by them become hoisted reciprocals)
-        self.per_row = frozenset({k for k, g in geo.inputs.items() if g.length == 1} |
-                                 ({LENGTH} if geo.n else set()))
+        self.per_row = frozenset({k for k, g in geo.inputs.items() if is_one(g.length)} |
+                                 ({LENGTH} if not geo.static or geo.n else set()))
         self.assumed: dict = {}  # condition -> sympy true/false (``assuming``)
         self.simd, self.scratch = simd, scratch
         self.stashed: dict[int, list] = {}  # id(component) -> [(column, output buffer)]
         self.stash_end = 0  # elements [0, stash_end) of each row hold stashed values
         self.stash_anchors: dict = {}  # tile anchor symbol -> the value they were written at
         self.slot_simd = simd if plan.lanes == 1 else 1  # lanes > 1: the lane loop is vector
+        self.bound_rows: tuple = (None, {})  # (row, input -> its bound row index)
 
     # Step 1. Reading values ---------------------------------------------------------
+    def bind_rows(self, r):
+        """Bind each broadcast input's row index once for row ``r``: with shape variables
+        it is a floordiv/floormod chain that TVM would otherwise simplify at every access
+        (attention on rows (1, H, L): 175 s to compile instead of seconds)."""
+        self.bound_rows = (r, {})
+        self.bound_rows = (r, {name: T.bind(self.row_of(name, r))
+                               for name, g in self.geo.inputs.items()
+                               if not same_rows(g.rows, self.geo.rows)})
+
     def row_of(self, name: str, r):
         g = self.geo.inputs[name]
-        if g.rows == self.geo.rows:
+        if same_rows(g.rows, self.geo.rows):
             return r
+        if self.bound_rows[0] is r and name in self.bound_rows[1]:
+            return self.bound_rows[1][name]
         idx, inner = tirx.const(0, I64), 1
         for size, stride, own in reversed(list(zip(self.geo.rows, g.strides, g.rows,
                                                    strict=True))):
-            if own > 1:
+            if not is_one(own):
                 idx = idx + tirx.floormod(tirx.floordiv(r, inner), size) * stride
             inner *= size
         return idx
@@ -116,7 +128,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
             if name in self.geo.inputs:
                 g = self.geo.inputs[name]
                 at = slot if g.width > 1 else 0
-                pos = i if g.length > 1 else 0
+                pos = i if is_streamed(g.length) else 0
                 return self.bufs[name][self.row_of(name, r), pos, at]
             if name in self.rowvals:
                 value = self.rowvals[name]
@@ -125,6 +137,8 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
                 buf, width = value
                 return buf[r, slot if width > 1 else 0]
             if name == LENGTH:
+                if not self.geo.static:  # a shape variable
+                    return tirx.Cast(F32, self.geo.n)
                 return const(self.geo.n) if self.geo.n else opaque(0.0)
             if name == INDEX:
                 return tirx.Cast(F32, i)
@@ -347,9 +361,19 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         """Every result of the rule into its per-row buffer (name -> (buffer, width)), after
         the states settle at the true final anchors (a max/min that folded a NaN is NaN
         first: the anchors read it)."""
+        if not self.geo.static:  # N is known when the kernel runs: both, behind a branch
+            with T.If(self.geo.n == tirx.const(0, I64)):
+                with T.Then():
+                    self._finalize_empty(r, results)
+                with T.Else():
+                    self._finalize_folded(st, r, results)
+            return
         if self.geo.n == 0:
             self._finalize_empty(r, results)
             return
+        self._finalize_folded(st, r, results)
+
+    def _finalize_folded(self, st: States, r, results: dict):
         self._mark_nans(st)
         for comp in self.components:  # in dependence order: a recomputed value is an anchor
             if isinstance(comp, LinearComponent) and comp.anchors:

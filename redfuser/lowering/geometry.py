@@ -6,6 +6,10 @@ feature axis.  Kernels are specialised per geometry (a small per-shape cache in
 ``kernel.Kernel``), which lets every loop bound be a constant.  ``geometry`` reads it off
 inputs resolved by ``algebra.layout``; ``shape_geometry`` builds it from shapes alone (the
 schedule search, the CLI).
+
+A *symbolic* geometry (``symbolic_geometry``) has the same fields with the row axes and N
+replaced by TIR shape variables: one kernel built on it serves every row count and stream
+length of one ``dynamic_key`` (rank, D, which input axes broadcast, the feature-axis flags).
 """
 
 from __future__ import annotations
@@ -38,9 +42,25 @@ class InputGeom:
     def strides(self) -> tuple[int, ...]:
         out, step = [], 1
         for size in reversed(self.rows):
-            out.append(step if size > 1 else 0)
+            out.append(0 if is_one(size) else step)
             step *= size
         return tuple(reversed(out))
+
+
+def is_one(size) -> bool:
+    """A row axis of size 1 (a broadcast one); a shape variable is never known to be 1."""
+    return isinstance(size, int) and size == 1
+
+
+def is_streamed(length) -> bool:
+    """Does an input of this length vary along the stream (N > 1, or a symbolic N)?"""
+    return not isinstance(length, int) or length > 1
+
+
+def same_rows(a: tuple, b: tuple) -> bool:
+    """Equal row axes: equal sizes, or the same shape variable."""
+    return len(a) == len(b) and all(x == y if isinstance(x, int) and isinstance(y, int)
+                                    else x is y for x, y in zip(a, b, strict=True))
 
 
 @dataclass(frozen=True)
@@ -63,6 +83,71 @@ class Geometry:
     def key(self) -> tuple:
         return (self.rows, self.n, self.d, tuple(sorted(
             (k, v.rows, v.length, v.width) for k, v in self.inputs.items())))
+
+    @property
+    def static(self) -> bool:
+        """Are every row axis and N integers (False for a ``symbolic_geometry``)?"""
+        return isinstance(self.n, int) and all(isinstance(r, int) for r in self.rows)
+
+
+def broadcast_axes(geo: Geometry, name: str) -> tuple[bool, ...]:
+    """Per kernel row axis: does input ``name`` broadcast along it (size 1 where the kernel's
+    axis is not)?  An axis of size 1 everywhere counts as not broadcast."""
+    g = geo.inputs[name]
+    return tuple(is_one(own) and not is_one(size) for own, size in zip(g.rows, geo.rows,
+                                                                       strict=True))
+
+
+def dynamic_key(rule: FusionRule, geo: Geometry) -> tuple:
+    """What a kernel built on ``symbolic_geometry`` depends on: the rank of the rows, D, the
+    feature-axis flags and, per input, its broadcast axes and kind (stream or parameter)."""
+    streams = {s.name for s in rule.cascade.streams}
+    return (len(geo.rows), geo.d, geo.vec, tuple(sorted(
+        (k, broadcast_axes(geo, k), k in streams, v.width) for k, v in geo.inputs.items())))
+
+
+def fits(key: tuple, rule: FusionRule, geo: Geometry) -> bool:
+    """Can a kernel built for ``dynamic_key`` ``key`` run a call of ``geo``?  Where the key
+    broadcasts an input the call's axis must be 1 there; elsewhere the input must span the
+    kernel's axis.  (A decode call with one query, L = 1, fits the kernel built for L > 1
+    whose K/V broadcast over the queries.)
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> rule = redfuser.derive("attention")
+    >>> def geo(l):
+    ...     return shape_geometry(rule, {"q": (2, l, 8), "k": (2, 1, 9, 8), "v": (2, 1, 9, 8)})
+    >>> fits(dynamic_key(rule, geo(4)), rule, geo(1)), fits(dynamic_key(rule, geo(1)), rule, geo(4))
+    (True, False)
+    """
+    rank, d, vec, inputs = key
+    if (rank, d, vec) != (len(geo.rows), geo.d, geo.vec):
+        return False
+    streams = {s.name for s in rule.cascade.streams}
+    for name, bcast, stream, width in inputs:
+        g = geo.inputs.get(name)
+        if g is None or (stream, width) != (name in streams, g.width):
+            return False
+        if any(own != (1 if b else size) for own, b, size in zip(g.rows, bcast, geo.rows,
+                                                                 strict=True)):
+            return False
+    return len(inputs) == len(geo.inputs)
+
+
+def symbolic_geometry(rule: FusionRule, geo: Geometry, rows: tuple, n) -> Geometry:
+    """``geo`` with its row axes replaced by ``rows`` and N by ``n`` (TIR shape variables):
+    each input keeps size 1 on its broadcast axes and reads the kernel's variable on the
+    others; streams are ``n`` long, parameters 1 (by kind, not by size: at N = 1 a stream
+    and a parameter have the same shape)."""
+    if len(rows) != len(geo.rows):
+        raise ValueError(f"{len(rows)} row variables for {len(geo.rows)} row axes")
+    streams = {s.name for s in rule.cascade.streams}
+    inputs = {k: InputGeom(tuple(1 if b else v for b, v in zip(broadcast_axes(geo, k), rows,
+                                                              strict=True)),
+                           n if k in streams else 1, g.width)
+              for k, g in geo.inputs.items()}
+    return Geometry(tuple(rows), n, geo.d, inputs, geo.vec)
 
 
 def is_vec(expr: sp.Expr, vec: set[str]) -> bool:

@@ -10,6 +10,7 @@ from algebra.cascade import INDEX
 from algebra.stash import tile_anchor
 
 from ..tvm_adapter import T, tirx
+from .geometry import is_streamed
 from .registers import States, work
 
 STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
@@ -39,7 +40,7 @@ class OutputSteps:
         their per-row values (mapped in the returned lookup); ``varying``: more names that
         change with the element, ``known``: more per-row values."""
         per_element = {INDEX} | self.vec | set(self.scores) | set(varying) | {
-            k for k, g in self.geo.inputs.items() if g.length > 1}
+            k for k, g in self.geo.inputs.items() if is_streamed(g.length)}
         (out,), values = self._hoist([expr], per_element, self.base_lookup(r, extra=known),
                                      per_slot=False)
         return out, values
@@ -73,7 +74,8 @@ class OutputSteps:
             T.buffer_store(buf, self.expr(expr, look), [r, i, slot])
 
         vector = self.simd
-        if vector > 1 and width == 1 and step == 1 and hi - lo >= vector:
+        if vector > 1 and width == 1 and step == 1 and (not self.geo.static or
+                                                        hi - lo >= vector):
             full = lo + (hi - lo) // vector * vector
             with T.serial(0, (full - lo) // vector) as c:
                 with T.vectorized(0, vector) as lane:

@@ -23,6 +23,8 @@ class Plan:
     split (16 lanes, 4 splits): requested
     >>> print(Plan("rolling", 16, mr=6, nr=64, kc=256, nc=512, mc=126, nt=1, reason="why"))
     rolling (16 lanes, GEMM micro-kernel 6 x 64, KC 256, NC 512, MC 126, NT 1): why
+    >>> print(Plan("rolling", 64, tile=16, dynamic=True, reason="one build"))
+    rolling (64 lanes, dynamic shapes): one build
     """
 
     variant: str
@@ -42,9 +44,12 @@ class Plan:
     nc: int = 0
     mc: int = 0
     nt: int = 0
+    # one kernel for every row count and stream length (``geometry.symbolic_geometry``)
+    dynamic: bool = False
 
     def __str__(self) -> str:
-        extra = f", {self.splits} splits" if self.variant == "split" else ""
+        extra = ", dynamic shapes" if self.dynamic else ""
+        extra += f", {self.splits} splits" if self.variant == "split" else ""
         extra += f", blocks of {self.row_block} rows" if self.row_block > 1 else ""
         extra += (f", GEMM micro-kernel {self.mr} x {self.nr}, KC {self.kc}, NC {self.nc}, "
                   f"MC {self.mc}, NT {self.nt}") if self.mr else ""

@@ -4,20 +4,21 @@ from __future__ import annotations
 
 from algebra.rule import FusionRule
 
-from ..tvm_adapter import IRBuilder, T, arg_buffer
+from ..tvm_adapter import IRBuilder, T, arg_alias, arg_buffer, shape_var
 from .backends import backend
-from .geometry import Geometry
+from .geometry import Geometry, symbolic_geometry
 from .plan import Plan
-from .signature import signature
+from .signature import I64, param_shape, signature
 
 FUNC_NAME = "redfuser_kernel"
 
 
 def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC_NAME,
-                   target: str = "cpu"):
+                   target: str = "cpu", fixed_rows: frozenset = frozenset()):
     """One PrimFunc whose arguments follow ``signature(rule, geo)``: inputs (R_in, L, F)
     in sorted name order, then outputs in spec order; its body is the target's loop nest
-    of ``plan.variant``.
+    of ``plan.variant``.  A dynamic plan makes every row axis and N a shape variable,
+    except the row axes in ``fixed_rows`` (indices), which keep their size in ``geo``.
 
     Examples
     --------
@@ -29,18 +30,34 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC
     >>> "T.parallel" in func.script()  # rows in parallel: the CPU's rolling nest
     True
     """
+    if plan.dynamic:
+        rows = tuple(size if k in fixed_rows else shape_var(f"rows{k}", I64)
+                     for k, size in enumerate(geo.rows))
+        geo = symbolic_geometry(rule, geo, rows, shape_var("length", I64))
     sig = signature(rule, geo)
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name(name)
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
-            bufs = {a.name: arg_buffer(a.name, a.shape, a.dtype) for a in sig.inputs}
+            declared = [_argument(a, geo, plan, k < len(sig.inputs))
+                        for k, a in enumerate((*sig.inputs, *sig.outputs))]
+            if plan.dynamic:  # every argument first: an alias opens a frame
+                declared = [arg_alias(b, a.shape, a.dtype) for a, b in
+                            zip((*sig.inputs, *sig.outputs), declared, strict=True)]
+            bufs = {a.name: b for a, b in zip(sig.inputs, declared, strict=False)}
             results, elementwise = {}, {}
-            for a in sig.outputs:
-                buf = arg_buffer(a.name, a.shape, a.dtype)
+            for a, buf in zip(sig.outputs, declared[len(sig.inputs):], strict=True):
                 if a.elementwise:
                     elementwise[a.name] = buf
                 else:
                     results[a.name] = (buf, a.width)
             backend(target).variants[plan.variant](rule, geo, plan, bufs, results, elementwise)
     return ib.get()
+
+
+def _argument(arg, geo: Geometry, plan: Plan, is_input: bool):
+    """The argument buffer of ``arg``: its flattened shape, or (dynamic shapes) its row axes
+    kept apart, from which TVM binds the row variables and N (the body then reads a
+    flattened alias of it)."""
+    shape = param_shape(arg, geo, is_input) if plan.dynamic else arg.shape
+    return arg_buffer(arg.name, shape, arg.dtype)

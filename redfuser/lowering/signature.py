@@ -75,6 +75,38 @@ def signature(rule: FusionRule, geo: Geometry) -> Signature:
     return Signature(inputs, tuple(outputs))
 
 
+def param_shape(arg: Arg, geo: Geometry, inputs: bool) -> tuple:
+    """The shape a dynamic kernel declares for ``arg`` (an input when ``inputs``): the row
+    axes kept apart, (*own rows, L, F) for inputs and (*rows, ...) for outputs, so that TVM
+    binds every row variable and N from the arguments' shapes; its body reads the flattened
+    shape of ``signature`` through an alias of the same memory.
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("attention")
+    >>> geo = shape_geometry(rule, {"q": (8, 4, 64), "k": (8, 1, 256, 64), "v": (8, 1, 256, 64)})
+    >>> sig = signature(rule, geo)
+    >>> param_shape(sig.inputs[0], geo, True), param_shape(sig.outputs[-1], geo, False)
+    ((8, 1, 256, 64), (8, 4, 64))
+    """
+    if inputs:
+        g = geo.inputs[arg.name]
+        return (*g.rows, g.length, g.width)
+    return (*geo.rows, *arg.shape[1:])
+
+
+def call_shapes(rule: FusionRule, geo: Geometry, dynamic: bool) -> list[tuple]:
+    """Every argument's shape as a call passes it, in argument order: ``signature``'s
+    flattened shapes, or ``param_shape``'s for a dynamic kernel."""
+    sig = signature(rule, geo)
+    if not dynamic:
+        return [a.shape for a in (*sig.inputs, *sig.outputs)]
+    return [param_shape(a, geo, True) for a in sig.inputs] + \
+        [param_shape(a, geo, False) for a in sig.outputs]
+
+
 def result_width(rule: FusionRule, geo: Geometry, name: str) -> int:
     """Slots of a per-row result: k for a top-k, D on the feature axis, else 1."""
     shape = rule.cascade.shapes.get(name)

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import sympy as sp
 
+from algebra.cascade import LENGTH
 from algebra.components import INDEX_SENTINEL, primed
 from algebra.rule import empty_results
 
@@ -261,7 +262,9 @@ class SettleSteps:
         law's identity and the epilogues follow (``algebra.rule.empty_results``), as in the
         reference; no state is read (a settle at an empty max's -inf would give inf * 0)."""
         identities, epilogues = empty_results(self.rule.cascade)
-        values = {k: opaque(v) for k, v in identities.items()}
+        # N is 0 (opaque: a symbolic N known to be 0 on this branch would be folded into
+        # a division by a constant 0, which TVM's analyzer refuses)
+        values = {LENGTH: opaque(0.0), **{k: opaque(v) for k, v in identities.items()}}
         for name, (buf, width) in results.items():
             expr = epilogues.get(name, sp.Symbol(name))
             with self.slots(width) as slot:

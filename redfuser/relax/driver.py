@@ -8,6 +8,7 @@ from .frag import Unliftable
 from .group import BindingGroup, form_groups
 from .lift import Lifter
 from .rewrite import check_kernel, derive_spec, kernel_for, splice
+from .symbolic import fuse_symbolic, symbolic_vars
 
 ROUNDS = 4  # lift again with more matmuls kept outside, at most this often per block
 CPU_KINDS = (None, "llvm")  # the kernels are built with the CPU variants
@@ -40,9 +41,13 @@ def fuse_module(mod: IRModule, check_build: bool = True) -> tuple[IRModule, Fuse
     for gv, func in list(mod.functions_items()):
         if not isinstance(func, relax.Function):
             continue
-        before = len(entries)
+        before, symbolic = len(entries), bool(symbolic_vars(func))
         for index, block in enumerate(func.body.blocks):
-            if isinstance(block, relax.DataflowBlock):
+            if isinstance(block, relax.DataflowBlock) and symbolic and not refuse:
+                mod, found = fuse_symbolic(mod, gv, func, index, function_name(gv),
+                                           (plan_block, _fresh), check_build)
+                entries += found
+            elif isinstance(block, relax.DataflowBlock):
                 mod = _fuse_block(mod, gv, func, index, options, entries)
         if any(e.status == "fused" for e in entries[before:]):
             mod = _cleanup(mod, gv)

@@ -17,12 +17,13 @@ import numpy as np
 from algebra import NotFusable, SpecError, derive
 from algebra.layout import Layout
 
-from ..lowering import Geometry, build_primfunc, choose, geometry, signature
+from ..lowering import Geometry, backend, build_primfunc, choose, geometry, signature
+from ..lowering.signature import param_shape
 from ..tune.search import tuned_plan
-from ..tvm_adapter import build, cpu_target, relax, with_root_block
+from ..tvm_adapter import build, cpu_target, provably_equal, relax, with_root_block
 from .frag import Unliftable
 from .group import BindingGroup
-from .values import static_shape
+from .values import shape_of
 
 
 @lru_cache(maxsize=512)
@@ -78,6 +79,31 @@ def kernel_for(group: BindingGroup, rule, name: str, tuned: bool = True) -> Fuse
     return FusedFunc(name, func, inputs, outputs, plan, found)
 
 
+def dynamic_kernel_for(group: BindingGroup, rule, name: str, dims) -> FusedFunc:
+    """The kernel of ``rule`` for every row count and N (``Plan.dynamic``), from a group
+    lifted at probe values of the shape variables (``symbolic.py``); ``dims`` maps a
+    probe-valued size back to its expression of the variables, for the call's shapes."""
+    geo = group_geometry(group, rule)
+    plan = backend("cpu").dynamic(rule, geo)
+    # static row axes stay static: fewer shape variables in every index (LLVM took 160 s
+    # on attention with rows (1, H, L) all symbolic, 6 s with only L)
+    fixed = frozenset(k for k, size in enumerate(geo.rows) if isinstance(dims(size), int))
+    func = _relax_callee(build_primfunc(rule, geo, plan, name, "cpu", fixed))
+    return FusedFunc(name, func, *dynamic_call_shapes(group, rule, dims), plan)
+
+
+def dynamic_call_shapes(group: BindingGroup, rule, dims) -> tuple[tuple, tuple]:
+    """(inputs, outputs) of ``FusedFunc`` for the dynamic kernel of ``group``: every
+    argument's shape with its row axes apart (``signature.param_shape``), through ``dims``."""
+    geo = group_geometry(group, rule)
+    sig = signature(rule, geo)
+    inputs = tuple((a.name, group.frag.inputs[a.name],
+                    tuple(dims(v) for v in param_shape(a, geo, True))) for a in sig.inputs)
+    outputs = tuple((a.name, tuple(dims(v) for v in param_shape(a, geo, False)), a.dtype)
+                    for a in sig.outputs)
+    return inputs, outputs
+
+
 def _relax_callee(func):
     """Relax's passes read a PrimFunc's root block (reshape detection) and skip functions
     marked scheduled (dlight): wrap the body in a root block, mark it scheduled and opaque
@@ -110,8 +136,8 @@ def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
     for var, node in group.sinks:
         parts = []
         for field, out in zip(node.fields or (node,), group.outputs[var], strict=True):
-            shape = field.shape if node.fields else static_shape(var.ty)
-            if prod(shape) != prod(kernel.outputs[index[out]][1]):
+            shape = field.shape if node.fields else shape_of(var.ty)
+            if not provably_equal(prod(shape), prod(kernel.outputs[index[out]][1])):
                 raise Unliftable(f"output {var.name} {shape} does not match the kernel's "
                                  f"{kernel.outputs[index[out]][1]}")
             item = bind(relax.TupleGetItem(call, index[out]), f"{kernel.name}_{out}")
@@ -134,12 +160,12 @@ def _prepared(inp, shape: tuple, bind):
     condition)."""
     e, prep = inp.source, inp.prep
     if prep == ("T",):
-        rank = len(static_shape(e.ty))
+        rank = len(shape_of(e.ty))
         e = bind(relax.op.permute_dims(e, [*range(rank - 2), rank - 1, rank - 2]), "rf_t")
     elif prep == ("float",):  # an index, or a boolean condition as 0/1
         e = bind(relax.op.astype(e, "float32"), "rf_float")
-    if prod(static_shape(e.ty)) != prod(shape):
-        raise Unliftable(f"input {static_shape(e.ty)} cannot be read as {shape}")
+    if not provably_equal(prod(shape_of(e.ty)), prod(shape)):
+        raise Unliftable(f"input {shape_of(e.ty)} cannot be read as {shape}")
     return e
 
 

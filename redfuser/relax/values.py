@@ -73,6 +73,14 @@ def static_shape(ty) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def shape_of(ty) -> tuple:
+    """The shape of a tensor type: ints where static, TIR expressions of the function's
+    shape variables where symbolic (``symbolic.py``'s rewrite reads these)."""
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        raise Unliftable(f"not a tensor of known rank ({ty})")
+    return tuple(int(v.value) if hasattr(v, "value") else v for v in ty.shape.values)
+
+
 def literal(value: float) -> str:
     if math.isnan(value):
         raise Unliftable("a NaN constant")

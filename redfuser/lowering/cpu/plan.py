@@ -51,6 +51,11 @@ MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it 
 # the workers wait for a core (softmax 1 x 256: 0.7 us of kernel; 16 x 1024 with two busy
 # cores: 840 us parallel, 19 us serial).  torch's intra-op grain size is the same 32768.
 PARALLEL_MIN_WORK = 32768
+# Elements per tile of a many-lane fold with a symbolic N (``dynamic_plan``): the tile
+# cannot be fitted to the row, so it is fixed; a row's last (N mod this) elements fold
+# LANES-wide, then one by one (fewer than FOLD_LANES).  1024 keeps the one-exp-per-element
+# tile for rows of a few thousand elements at a merge per 1024.
+DYNAMIC_TILE_ELEMENTS = 1024
 # The cache a staged rule's row stays in between its passes (``resident``): one core's L2
 # (1 MB on this Zen 5; L1, 48 KB, holds only rows of up to 12K floats).
 RESIDENT_CACHE_BYTES = 1 << 20
@@ -81,6 +86,8 @@ def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
     no_insert = not any(isinstance(c, SelectComponent) and c.k > 1 for c in rule.components)
     if not (scalar_states and no_dot and no_insert):
         return 1
+    if not geo.static:  # any N: lanes as for a long row, the tails fold one by one
+        return FOLD_LANES
     return next((lanes for lanes in (FOLD_LANES, LANES) if geo.n >= 2 * lanes), 1)
 
 
@@ -115,6 +122,7 @@ def stash_applies(rule: FusionRule, geo: Geometry, plan: Plan) -> bool:
     stashed value was then computed at the same anchors, held in lane 0 afterwards."""
     step = plan.lanes * plan.tile
     return (bool(rule.stashes) and plan.variant == "rolling" and plan.row_block == 1 and
+            geo.static and
             plan.lanes > 1 and plan.tile > 1 and geo.n // step == 1 and lane_aligned(rule))
 
 
@@ -133,8 +141,9 @@ def resident_fit(rule, geo: Geometry) -> str:
 
 
 def one_thread(geo: Geometry) -> bool:
-    """Is the work too small to share between threads (``PARALLEL_MIN_WORK``)?"""
-    return geo.r * geo.n * max(geo.d, 1) < PARALLEL_MIN_WORK
+    """Is the work too small to share between threads (``PARALLEL_MIN_WORK``)?  Never
+    known for symbolic shapes: their rows run in parallel."""
+    return geo.static and geo.r * geo.n * max(geo.d, 1) < PARALLEL_MIN_WORK
 
 
 def rows_loop(geo: Geometry):
@@ -177,6 +186,33 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
         plan = dataclasses.replace(plan, reason=plan.reason + "; per-element outputs stashed "
                                    "by the statistics pass (one multiply to finish)")
     return plan
+
+
+def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
+                 fast_math: bool = True) -> Plan:
+    """The plan of a kernel for every row count and N (``Plan.dynamic``): rows in parallel,
+    one pass each (rolling) or the unfused baseline; lanes as for a long row, tiles of
+    DYNAMIC_TILE_ELEMENTS (KEY_TILE in one lane), tails folded element by element.  No
+    split (its pieces depend on N), no row blocks and no GEMM blocking (fitted to shapes).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("softmax")
+    >>> print(dynamic_plan(rule, shape_geometry(rule, {"x": (3, 5)})).lanes)
+    64
+    """
+    check_variant(variant)
+    if variant == "split":
+        raise ValueError("variant 'split' cuts each row by its length: it needs static "
+                         "shapes (dynamic=False)")
+    lanes = vector_lanes(rule, dataclasses.replace(geo, n=2 * DYNAMIC_TILE_ELEMENTS))
+    tile = max(1, DYNAMIC_TILE_ELEMENTS // lanes) if lanes > 1 else tile_for(rule, 1, 0)
+    why = ("requested: one pass per reduction" if variant == "unfused" else "any rows and N")
+    return Plan(variant or "rolling", lanes, 1, fast_math, f"{why}; rows in parallel, one "
+                f"pass each, tiles of {tile} per lane, tails one by one", tile=tile,
+                dynamic=True)
 
 
 def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:

@@ -69,6 +69,10 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
             else:
                 with T.vectorized(0, lanes) as lane:
                     em.update(st, lane, base + lane, r)
+    if tile > 1 and lanes > 1 and not em.geo.static:
+        _lane_chunks(em, st, r, start + tirx.floordiv(length, step) * step,
+                     tirx.floordiv(tirx.floormod(length, step), lanes), lanes)
+        aligned = False  # the chunks moved each lane's anchors on its own
     half = lanes // 2
     while half >= 1:  # a tree: log2(lanes) dependent merges, each vectorized over half
         with (T.vectorized(0, half) if half > 1 else Const0()) as lane:
@@ -78,8 +82,20 @@ def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
         em.keep_stash_anchors(st)
     # the tail after the lanes merged: it moves lane 0's anchors, which would unalign them
     if known is None or known % step:
-        with T.serial(tirx.floordiv(length, step) * step, length) as t:
+        done = tirx.floordiv(length, step) * step
+        if tile > 1 and lanes > 1 and not em.geo.static:
+            done = length - tirx.floormod(length, lanes)
+        with T.serial(done, length) as t:
             em.update(st, 0, start + t, r)
+
+
+def _lane_chunks(em: Emitter, st: States, r, start, chunks, lanes: int):
+    """A symbolic N's remainder after the whole tiles, ``chunks`` x ``lanes`` elements from
+    ``start``, folded ``lanes`` wide element by element (a tile fitted to the row is not
+    possible: the tile is fixed when N is not known)."""
+    with T.serial(0, chunks) as c:
+        with T.vectorized(0, lanes) as lane:
+            em.update(st, lane, start + c * lanes + lane, r)
 
 
 def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=None):
@@ -91,12 +107,19 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=No
     if elementwise and stash_applies(rule, geo, plan):
         em.stash_into(elementwise, plan.lanes * plan.tile)
     with rows_loop(geo)(0, geo.r) as r:
+        if not geo.static:
+            em.bind_rows(r)
         st = em.states(2 * plan.lanes)
         for lane in range(plan.lanes):
             st.init(lane)
-        _fold(em, st, r, tirx.const(0, I64), tirx.const(geo.n, I64), plan.lanes, plan.tile)
+        _fold(em, st, r, tirx.const(0, I64), _extent(geo.n), plan.lanes, plan.tile)
         em.finalize(st, r, results)
         em.elementwise(r, elementwise)
+
+
+def _extent(n):
+    """N as an int64 TIR value: a constant, or the shape variable itself."""
+    return tirx.const(n, I64) if isinstance(n, int) else n
 
 
 def _rolling_blocks(em: Emitter, geo: Geometry, plan: Plan, results, elementwise):
@@ -154,6 +177,8 @@ def unfused(rule, geo, plan, bufs, results, elementwise):
                 result, {}, rowvals=rowvals, scores=scores)
     em = _emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
     with rows_loop(geo)(0, geo.r) as r:
+        if not geo.static:
+            em.bind_rows(r)
         store_results(em, r, results)
         em.elementwise(r, elementwise)
 

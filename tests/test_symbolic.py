@@ -1,0 +1,190 @@
+"""Symbolic shapes: one kernel for every row count and stream length (``dynamic=True``).
+
+Each kernel is built once and called at N in {0, 1, 7, 64, 333} and several row counts;
+every output is compared with the float64 oracle (``redfuser.reference``).  Tolerances:
+RTOL 2e-5 / ATOL 1e-5 as in test_kernel_edges (float32 sums of up to 333 terms, fast exp
+at 8.5e-8), attention's ATOL scaled by D (its output is a sum of D-wide products).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_matches
+
+import redfuser
+import redfuser.relax as rr
+from redfuser.lowering import shape_geometry
+from redfuser.lowering.geometry import dynamic_key, fits
+from redfuser.tvm_adapter import import_torch, relax, tirx
+
+RTOL, ATOL = 2e-5, 1e-5
+LENGTHS = (0, 1, 7, 64, 333)
+ROWS = ((3,), (1,), (5,), (2,), (4,))  # one per length: several row counts, one build
+rng = np.random.default_rng(13)
+
+
+def check(kernel, name: str, inputs: dict, atol: float = ATOL) -> None:
+    out, ref = kernel(**inputs), redfuser.reference(name, inputs)
+    assert list(out) == list(ref)
+    shapes = {k: np.shape(v) for k, v in inputs.items()}
+    for k, r in ref.items():
+        assert_matches(out[k], r, RTOL, atol, f"{name} {k} at {shapes}")
+
+
+def stream(rows: tuple, n: int) -> np.ndarray:
+    return rng.normal(size=(*rows, n)).astype(np.float32) * 3
+
+
+@pytest.mark.parametrize("name", ["softmax", "variance"])
+def test_one_build_serves_every_row_count_and_length(name):
+    kernel = redfuser.compile(name, dynamic=True)
+    for rows, n in zip(ROWS, LENGTHS, strict=True):
+        check(kernel, name, {"x": stream(rows, n)})
+    assert kernel.builds == 1
+    assert "dynamic shapes" in str(kernel.plan)
+
+
+def test_layernorm_weights_broadcast_over_any_rows():
+    """g and b are streams shared by every row (broadcast row axis) next to x (rows, N)."""
+    kernel = redfuser.compile("layernorm", dynamic=True)
+    for rows, n in zip(((2, 3), (1, 1), (4, 1), (1, 5)), (5, 1, 64, 333), strict=True):
+        x = stream(rows, n)
+        check(kernel, "layernorm", {"x": x, "g": stream((), n), "b": stream((), n), "eps": 1e-5})
+    assert kernel.builds == 1
+
+
+def test_attention_one_build_for_heads_queries_and_keys():
+    """A stream with a feature axis: K/V (H, 1, N, D) broadcast over the L queries of a
+    head; L = 1 (decode) runs on the kernel built for L > 1 (``geometry.fits``)."""
+    kernel, d = redfuser.compile("attention", dynamic=True), 16
+    for (h, queries), n in zip(((2, 4), (2, 1), (3, 5), (1, 1), (2, 3)), LENGTHS, strict=True):
+        q = rng.normal(size=(h, queries, d)).astype(np.float32)
+        k, v = (rng.normal(size=(h, 1, n, d)).astype(np.float32) for _ in "kv")
+        check(kernel, "attention", {"q": q, "k": k, "v": v, "scale": 0.25}, ATOL * d)
+    assert kernel.builds == 1
+
+
+def test_special_values_and_the_unfused_baseline():
+    """-inf rows, a NaN, huge magnitudes and ties, fused and unfused, both dynamic."""
+    x = stream((4,), 77)
+    x[0] = -np.inf
+    x[1, 5] = np.nan
+    x[2] *= 1e30
+    x[3] = 2.0
+    for variant in ("rolling", "unfused"):
+        kernel = redfuser.compile("softmax", dynamic=True, variant=variant)
+        check(kernel, "softmax", {"x": x})
+        check(kernel, "softmax", {"x": x[:, :3]})
+        assert kernel.builds == 1 and kernel.plan.variant == variant
+
+
+def test_new_broadcast_pattern_is_a_second_build_and_old_ones_stay():
+    rule = redfuser.derive("attention")
+
+    def geo(queries):
+        kv = (2, 1, 9, 8)
+        return shape_geometry(rule, {"q": (2, queries, 8), "k": kv, "v": kv})
+
+    assert fits(dynamic_key(rule, geo(3)), rule, geo(1))
+    assert not fits(dynamic_key(rule, geo(1)), rule, geo(3))
+    kernel = redfuser.compile("attention", dynamic=True)
+    def args(queries):
+        return {"q": np.ones((2, queries, 8), np.float32), "scale": 1.0,
+                **{s: np.ones((2, 1, 9, 8), np.float32) for s in "kv"}}
+
+    kernel(**args(1))
+    kernel(**args(3))  # K/V now broadcast over the queries: another kernel
+    kernel(**args(1))
+    kernel(**args(6))
+    assert kernel.builds == 2
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"splits": 2}, "splits"), ({"variant": "split"}, "split"), ({"tune": True}, "tune"),
+    ({"target": "cuda"}, "CPU"), ({"dynamic": "yes"}, "dynamic")])
+def test_options_a_dynamic_kernel_cannot_honour_are_refused(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        redfuser.compile("softmax", **{"dynamic": True, **options})(x=stream((2,), 8))
+
+
+# -- Relax: modules whose sequence length is a shape variable -----------------------------
+
+def _attention_module(heads: int = 2, d: int = 16):
+    """softmax(q k^T * scale) v over a symbolic sequence length L (queries and keys)."""
+    length = tirx.Var("L", "int64")
+    bb = relax.BlockBuilder()
+    q, k, v = (relax.Var(n, relax.TensorType((1, heads, length, d), "float32")) for n in "qkv")
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])))
+            p = bb.emit(relax.op.nn.softmax(relax.op.multiply(s, relax.const(0.25))))
+            o = bb.emit_output(relax.op.matmul(p, v))
+        bb.emit_func_output(o)
+    return bb.get()
+
+
+def _softmax_rows(q, k, v):
+    s = q.astype(np.float64) @ np.swapaxes(k, -1, -2) * 0.25
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True) @ v
+
+
+def test_relax_symbolic_sequence_length_is_fused_and_runs_at_two_lengths():
+    fuse = rr.FuseCascadedReductions(check_build=False)  # built once, by the pipeline
+    fused = fuse(_attention_module())
+    assert (fuse.report.found, fuse.report.fused) == (1, 1), str(fuse.report)
+    assert "dynamic shapes" in fuse.report.groups[0].reason
+    out_ty = fused["main"].ret_ty  # the output keeps the function's own shape variable
+    assert str(out_ty.shape.values[2]) == "L"
+    ex, _ = rr.build(fused, fuse=False)
+    for length in (3, 70):
+        q, k, v = (rng.normal(size=(1, 2, length, 16)).astype(np.float32) for _ in "qkv")
+        np.testing.assert_allclose(rr.run(ex, q, k, v), _softmax_rows(q, k, v), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_relax_size_that_is_not_a_product_of_variables_is_refused():
+    """softmax over a concatenation of length L + 1: the probes read it back differently,
+    so the group is skipped with the reason (never fused with a wrong shape)."""
+    length = tirx.Var("L", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, length), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.concat([x, relax.op.zeros((4, 1), "float32")], axis=1))
+            z = bb.emit_output(relax.op.nn.softmax(y))
+        bb.emit_func_output(z)
+    fuse = rr.FuseCascadedReductions()
+    fuse(bb.get())
+    assert fuse.report.fused == 0
+    assert all(g.reason for g in fuse.report.groups)
+
+
+class _NormSoftmax(torch.nn.Module):
+    """LayerNorm plus a softmax over the features, of a (1, seq, 32) input."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.norm(x) + torch.softmax(x * 2.0, dim=-1)
+
+
+def test_torch_export_with_a_dynamic_sequence_is_fused_at_two_lengths():
+    torch.manual_seed(0)
+    model = _NormSoftmax().eval()
+    seq = torch.export.Dim("seq", min=2, max=512)
+    mod = import_torch(model, (torch.randn(1, 8, 32),), dynamic_shapes={"x": {1: seq}})
+    fuse = rr.FuseCascadedReductions(check_build=False)
+    ex, _ = rr.build(fuse(mod), fuse=False)
+    report = fuse.report
+    assert report.found >= 1 and report.fused == report.found, str(report)
+    for length in (5, 300):
+        x = torch.randn(1, length, 32)
+        with torch.no_grad():
+            ref = model(x).numpy()
+        (out,) = rr.run(ex, x.numpy())  # torch.export returns a tuple
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
