@@ -201,15 +201,17 @@ def with_root_block(func):
     return func.with_body(SBlockRealize([], True, SBlock([], [], [], "root", func.body)))
 
 
-def import_torch(model, args: tuple) -> IRModule:
+def import_torch(model, args: tuple, dynamic_shapes=None) -> IRModule:
     """A PyTorch module as Relax through TVM's own importer (torch.export, then
-    from_exported_program); the model runs in inference mode."""
+    from_exported_program); the model runs in inference mode.  ``dynamic_shapes`` is
+    torch.export's (``torch.export.Dim`` per input axis): those sizes stay symbolic."""
     # lazily: torch is an optional dependency, and loading it costs seconds
     import torch
     from tvm.relax.frontend.torch import from_exported_program  # (imports torch)
 
     with torch.no_grad():
-        return from_exported_program(torch.export.export(model, tuple(args)))
+        program = torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes)
+        return from_exported_program(program)
 
 
 def build_relax(mod: IRModule, pipeline, target: dict):
