@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import numpy as np
 import sympy as sp
 
 from algebra.functions import Dot
@@ -24,13 +23,7 @@ Lookup = Callable[[sp.Expr], object]  # sympy Symbol or Dot -> PrimExpr
 
 
 def const(value: float, dtype: str = "float32"):
-    """A literal of ``dtype``, rounded to it first: a sympy Float carries its own precision,
-    so ``float()`` of torch's mask value ``finfo(float32).min`` can land a hair below
-    -FLT_MAX, which TVM refuses ("Literal value -3.40282e+38 exceeds minimum of float32")."""
-    value = float(value)
-    if np.dtype(dtype).kind == "f":
-        value = float(np.dtype(dtype).type(value))
-    return tirx.const(value, dtype)
+    return tirx.const(float(value), dtype)
 
 
 def share(value, body):
