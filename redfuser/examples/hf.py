@@ -183,7 +183,7 @@ def reduction_bindings(mod) -> list[str]:
         for b in block.bindings:
             op = getattr(getattr(b.value, "op", None), "name", None)
             if isinstance(b.value, relax.Call) and op in REDUCTION_OPS:
-                out.append(f"{op.removeprefix('relax.').removeprefix('nn.')} {b.var.name_hint}")
+                out.append(f"{op.removeprefix('relax.').removeprefix('nn.')} {b.var.name}")
     return out
 
 
