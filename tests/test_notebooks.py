@@ -139,6 +139,10 @@ def check_fuse_model(nb: NotebookNode, text: str) -> None:
     assert len(times) >= 2 and all(0 < float(t) < 1e3 for pair in times for t in pair), \
         f"no timings of both builds for two models: {times}"
     assert images(nb) >= 1, "no fused-vs-unfused timing plot"
+    row = re.search(r"^gpt2/eager\s+(static|dynamic)\s+(\d+)\s+(\d+)\s+\d+\s+(\S+)\s+(\S+)",
+                    text, re.M)  # the transformers table: found, fused, skipped, two errors
+    assert row and int(row.group(3)) >= 1, "no transformers row with a fused cascade"
+    assert all(float(e) < 1e-4 for e in row.group(4, 5)), f"GPT-2 disagrees with PyTorch: {row}"
 
 
 CHECKS: dict[str, Callable[[NotebookNode, str], None]] = dict(

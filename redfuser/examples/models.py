@@ -1,4 +1,5 @@
-"""Small real models, fused end to end: GPT-2 and Llama decoder blocks, a Mixtral router.
+"""Small real models, fused end to end: GPT-2 and Llama decoder blocks, a Mixtral router,
+then real transformers architectures (``hf.py``).
 
 Each model is built in code with seeded random weights (nothing is downloaded), exported
 with ``torch.export``, imported with TVM's own importer and compiled for this CPU twice
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..relax import build, run
 from ..tvm_adapter import cpu_target, device, import_torch, relax_tensor, relax_vm
+from . import hf
 
 
 class GPT2Block(nn.Module):
@@ -208,12 +210,24 @@ def main(argv=None) -> int:
     parser.add_argument("--no-time", action="store_true", help="skip the timing runs")
     parser.add_argument("--repeat", type=int, default=20, help="timing repeats (median)")
     parser.add_argument("--seq", type=int, default=32, help="sequence length")
+    parser.add_argument("--hf", default=",".join(hf.ARCHS),
+                        help="transformers architectures for the second table ('' for none)")
+    parser.add_argument("--attn", default=",".join(hf.ATTENTION),
+                        help="attn_implementation values for the transformers models")
+    parser.add_argument("--layers", type=int, default=2, help="transformers layers")
     args = parser.parse_args(argv)
     results = [evaluate(e, timing=not args.no_time, repeat=args.repeat)
                for e in examples(seq=args.seq)]
     print(table(results))
     print("\nTimes: medians of the Relax VM on this CPU, both builds through "
           "redfuser.relax.cpu_pipeline (legalize, FuseOps/FuseTIR, dlight CPU rules).")
+    names = [n for n in args.hf.split(",") if n]
+    if names:
+        print(f"\ntransformers {hf.transformers.__version__} models ({args.layers} layers, hidden "
+              f"{hf.HIDDEN}, {hf.HEADS} heads, vocab {hf.VOCAB}, batch {hf.BATCH}); max |err| "
+              "against PyTorch at each length, times at the first:")
+        print(hf.hf_table(hf.evaluate_all(names, args.attn.split(","), layers=args.layers,
+                                          timing=not args.no_time)))
     return 0
 
 
