@@ -42,9 +42,7 @@ _DECODER = dict(hidden_size=HIDDEN, intermediate_size=FFN, num_attention_heads=H
 @dataclass(frozen=True)
 class Arch:
     """One architecture: its config, the model class, whether its input is padded, and the
-    op kinds whose cascades must fuse (per attention implementation).  The attention softmax
-    is not among them yet: transformers masks with ``where(mask, 0, finfo(float32).min)``,
-    whose literal TVM refuses (and accepted, the where lowering cancels x against it)."""
+    op kinds whose cascades must fuse (per attention implementation)."""
 
     name: str
     config: type
@@ -64,17 +62,17 @@ ARCHS = {a.name: a for a in (
     Arch("gpt2", transformers.GPT2Config, transformers.GPT2Model,
          dict(n_embd=HIDDEN, n_head=HEADS, n_positions=MAX_SEQ, bos_token_id=0,
               eos_token_id=0), False,
-         {"eager": ("layer_norm",), "sdpa": ("layer_norm",)},
+         {"eager": ("layer_norm", "softmax"), "sdpa": ("layer_norm",)},
          "LayerNorm, causal attention, GELU MLP"),
     Arch("llama", transformers.LlamaConfig, transformers.LlamaModel, _DECODER, False,
-         {"eager": ("mean",), "sdpa": ("mean",)},
+         {"eager": ("mean", "softmax"), "sdpa": ("mean",)},
          "RMSNorm + projections, rotary GQA attention (2 K/V heads for 4), SwiGLU"),
     Arch("mixtral", transformers.MixtralConfig, transformers.MixtralModel,
          # batched_mm: the default grouped_mm path calls grouped_mm_fallback and histc,
          # which TVM's importer does not know
          dict(_DECODER, num_local_experts=4, num_experts_per_tok=2,
               experts_implementation="batched_mm"), False,
-         {"eager": ("mean",), "sdpa": ("mean",)},
+         {"eager": ("mean", "softmax", "topk"), "sdpa": ("mean",)},
          "as Llama, with an MoE of 4 experts: router softmax + top-2"),
     Arch("bert", transformers.BertConfig, transformers.BertModel,
          dict(hidden_size=HIDDEN, num_attention_heads=HEADS, intermediate_size=FFN,
@@ -86,7 +84,7 @@ ARCHS = {a.name: a for a in (
     Arch("t5", transformers.T5Config, transformers.T5EncoderModel,
          dict(d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_heads=HEADS, pad_token_id=0,
               eos_token_id=0, decoder_start_token_id=0), True,
-         {"eager": ("mean",), "sdpa": ("mean",)},
+         {"eager": ("mean", "softmax"), "sdpa": ("mean",)},
          "encoder: RMSNorm without the mean, relative position bias, padding mask"),
 )}
 
