@@ -135,7 +135,7 @@ class Lifter:
         frame, n = out[:-1], out[-1]
         if node.kind == "row" and node.shape and node.shape[-1] == 1 and len(node.shape) > 1:
             return Operand(node.text, node.deps, reframe(node.frag, frame))
-        if node.kind != "elem" or node.shape[-1] != n:
+        if node.kind != "elem" or node.shape[-1] != n or node.frag.n != n or node.perm:
             raise Unliftable(f"a {node.kind} value {node.shape} read per element of {out}")
         return Operand(node.text, node.deps, reframe(node.frag, frame), node.terms, node.dots)
 

@@ -2,8 +2,8 @@
 
 ``OPS`` maps a Relax op name to its handler.  Elementwise ops are two templates tables;
 statistics ops (softmax, layer_norm, ...) are step tables; matmul, topk, where, gather and
-the shape ops have small handlers.  Reductions run over the last axis only (the stream);
-every other axis is a row axis.
+the shape ops have small handlers.  A reduction reads its data as rows x stream
+(``axes.py``: any set of axes, the trailing ones in place, others through a permutation).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 from string import Formatter
 
 from ..tvm_adapter import relax
+from .axes import View, axes_view, read_data, read_weight
 from .frag import Unliftable, merge, reframe
 from .values import MAX_TERMS, Ext, Lifting, Node, Operand, literal, pad_shape, static_shape
 
@@ -72,10 +73,17 @@ STATS = {  # Relax op -> (steps, kind of the value, additive terms of the value)
     # LayerNorm statistics and normalisation (gamma and beta follow as multiply and add)
     "relax.nn.layer_norm": ((("red", "sum({E}) / N"), ("red", "sum(({E} - {0})**2) / N"),
                              ("let", "({E} - {0}) / sqrt({1} + {eps})")), "elem", ()),
+    "relax.nn.group_norm": None,  # LayerNorm's steps over each group (views below)
+    "relax.nn.instance_norm": None,  # and over each channel's spatial (or batch) axes
     # RMSNorm (the weight follows as a multiply)
     "relax.nn.rms_norm": ((("red", "sqrt(sum({E}**2) / N + {eps})"), ("let", "{E} / {0}")),
                           "elem", ()),
 }
+
+for _norm in ("relax.nn.group_norm", "relax.nn.instance_norm"):
+    STATS[_norm] = STATS["relax.nn.layer_norm"]
+NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm", "relax.nn.group_norm",
+         "relax.nn.instance_norm")  # statistics with a weight (and a bias) after them
 
 SEEDS = {*STATS, "relax.topk", "relax.gather_elements"}  # ops that start a cascade
 
@@ -84,12 +92,9 @@ _ATTENTION = ("one fused op (softmax(q k^T) v inside) with no lifting: written o
 # Reductions the pass meets but cannot lift: op -> why (or call -> why, None where the call
 # does not reduce).  The report names each one skipped with its reason, never silently.
 UNLIFTED = {
-    "relax.nn.group_norm": "group_norm reduces over groups of channels and their spatial "
-                           "axes, not the last axis: no lifting",
-    "relax.nn.instance_norm": "instance_norm reduces over the spatial axes per channel, "
-                              "with per-channel scale and shift: no lifting",
-    "relax.nn.batch_norm": lambda call: "batch_norm in training reduces over the batch "
-                                        "(across rows, not along them): no lifting"
+    "relax.nn.batch_norm": lambda call: "batch_norm in training also updates the running "
+                                        "statistics (a tuple of three): no lifting (PyTorch's "
+                                        "importer writes it as instance_norm, which lifts)"
                                         if bool(call.attrs.training) else None,
     "relax.nn.attention": _ATTENTION,
     "relax.nn.attention_bias": _ATTENTION,
@@ -98,6 +103,12 @@ UNLIFTED = {
                                           "too: no lifting (log_softmax and a sum of "
                                           "target * logp lift)",
     "relax.nn.nll_loss": "nll_loss gathers and averages over the batch: no lifting",
+    **dict.fromkeys(["relax.cumsum", "relax.cumprod"], "a scan: every prefix is an output, "
+                                                       "no one-pass rule to derive"),
+    **dict.fromkeys(["relax.sort", "relax.argsort"], "a sort: no lifting"),
+    **{f"relax.nn.{kind}_pool{d}d": f"{kind} pooling reduces over windows of the spatial "
+                                    "axes: no lifting"
+       for kind in ("avg", "max", "adaptive_avg") for d in (1, 2, 3)},
 }
 
 
@@ -163,15 +174,47 @@ def _last_axis(axis, rank: int):
         raise Unliftable(f"reduces over axes {axes} of a rank-{rank} tensor, not the last one")
 
 
+def _group_view(call, shape: tuple) -> View:
+    """group_norm: the channel axis split into (groups, channels per group); each group
+    reduces over its channels and the spatial axes."""
+    attrs, rank = call.attrs, len(shape)
+    c, groups = int(attrs.channel_axis) % rank, int(attrs.num_groups)
+    if shape[c] % groups:
+        raise Unliftable(f"{shape[c]} channels in {groups} groups")
+    split = (*shape[:c], groups, shape[c] // groups, *shape[c + 1:])
+    spatial = {int(a) % rank for a in attrs.axes}
+    reduced = {c + 1} | {a + (a > c) for a in spatial}
+    return View(split, tuple(a for a in range(rank + 1) if a not in reduced),
+                tuple(sorted(reduced)))
+
+
+VIEWS = {  # op -> its reduction view of the data (default: its axis / axes attribute)
+    "relax.nn.group_norm": _group_view,
+    "relax.nn.instance_norm": lambda call, shape: axes_view(shape, call.attrs.axes),
+}
+
+
+def _weight_shape(call, view: View) -> tuple:
+    """Where a norm's weight varies, one entry per view axis (1 where it is broadcast)."""
+    op, shape = call.op.name, view.shape
+    if op == "relax.nn.group_norm":
+        c = int(call.attrs.channel_axis) % (len(shape) - 1)
+        return tuple(shape[a] if a in (c, c + 1) else 1 for a in range(len(shape)))
+    if op == "relax.nn.instance_norm":
+        c = int(call.attrs.channel_axis) % len(shape)
+        return tuple(shape[a] if a == c else 1 for a in range(len(shape)))
+    return tuple(shape[a] if a in view.reduced else 1 for a in range(len(shape)))
+
+
 def statistics(lf: Lifting, call, ty) -> Node:
-    op, data = call.op.name, call.args[0]
+    op, data, attrs = call.op.name, call.args[0], call.attrs
     shape = static_shape(data.ty)
-    attrs = call.attrs
-    _last_axis(getattr(attrs, "axis", getattr(attrs, "axes", None)), len(shape))
-    if len(shape) < 1 or shape[-1] < 2:
-        raise Unliftable(f"nothing to reduce over: shape {shape}")
+    view = VIEWS[op](call, shape) if op in VIEWS else axes_view(
+        shape, getattr(attrs, "axis", getattr(attrs, "axes", None)))
+    if view.perm and op == "relax.nn.group_norm":
+        raise Unliftable("group_norm with the channel axis after a spatial axis")
     steps, kind, term_templates = STATS[op]
-    e = lf.elem(data, shape)
+    e = read_data(lf, data, view)
     frag, names = e.frag, []
     eps = literal(float(attrs.epsilon)) if hasattr(attrs, "epsilon") else ""
     for step_kind, template in steps:
@@ -182,21 +225,24 @@ def statistics(lf: Lifting, call, ty) -> Node:
         {names[int(f)] for f in _fields(t) if f.isdigit()}) | (e.deps if "E" in _fields(t)
                                                               else frozenset()))
                   for t in term_templates)
-    value = Node(kind, frag, names[-1], frozenset({names[-1]}), static_shape(ty), terms,
+    value = Node(kind, frag, names[-1], frozenset({names[-1]}), view.out, terms,
                  e.dots if kind == "elem" else frozenset())
-    return _affine(lf, call, value) if op in ("relax.nn.layer_norm", "relax.nn.rms_norm") \
-        else value
+    if op in NORMS:
+        value = _affine(lf, call, value, view)
+    if kind != "elem":
+        return dataclasses.replace(value, shape=static_shape(ty))
+    return dataclasses.replace(value, shape=static_shape(ty), perm=view.perm)
 
 
-def _affine(lf: Lifting, call, value: Node) -> Node:
-    """LayerNorm's gamma and beta, RMSNorm's weight: a multiply, then an add."""
-    attrs, out = call.attrs, value.shape
+def _affine(lf: Lifting, call, value: Node, view: View) -> Node:
+    """A norm's weight (gamma) and bias (beta): a multiply, then an add."""
+    attrs, out = call.attrs, view.out
     steps = [("relax.multiply", call.args[1])] if getattr(attrs, "scale", True) else []
     if getattr(attrs, "center", False):
         steps.append(("relax.add", call.args[2]))
     for op, arg in steps:
         ops = [Operand(value.text, value.deps, value.frag, value.terms, value.dots),
-               lf.elem(arg, out)]
+               read_weight(lf, arg, view, _weight_shape(call, view))]
         stmt, frag = _new(lf, BINARY[op], ops, "let", call.op.name,
                           lf.combine(ops, out[:-1]))
         value = Node("elem", frag, stmt.name, frozenset({stmt.name}), out, _terms(op, ops),
@@ -276,11 +322,13 @@ def _transposed(lf: Lifting, b) -> Ext:
 
 def topk(lf: Lifting, call, ty) -> Node:
     data, attrs = call.args[0], call.attrs
-    shape = static_shape(data.ty)
-    _last_axis(attrs.axis, len(shape))
+    shape, k = static_shape(data.ty), int(attrs.k)
+    view = axes_view(shape, int(attrs.axis))
     if not attrs.largest or str(attrs.dtype) != "int64":
         raise Unliftable("topk needs largest=True and int64 indices")
-    e, k = lf.elem(data, shape), int(attrs.k)
+    if k > 1 and view.perm:
+        raise Unliftable(f"topk of {k} over axis {int(attrs.axis)}, not the last one")
+    e = read_data(lf, data, view)
     # k = 1 is torch's max(dim)/min(dim): a per-row maximum and its index
     ops = ("max", "argmax", "row") if k == 1 else ("topk", "argtopk", "topk")
     values = lf.stmt(f"{ops[0]}({e.text}{'' if k == 1 else f', {k}'})", "red", e.deps,
@@ -288,7 +336,7 @@ def topk(lf: Lifting, call, ty) -> Node:
     indices = lf.stmt(f"{ops[1]}({e.text}{'' if k == 1 else f', {k}'})", "red", e.deps,
                       "relax.topk")
     frag = e.frag.with_stmt(values).with_stmt(indices)
-    out = shape[:-1] + (k,)
+    out = tuple(k if a in view.reduced else size for a, size in enumerate(shape))
     pair = (Node(ops[2], frag, values.name, frozenset({values.name}), out),
             Node("index", frag, indices.name, frozenset({indices.name}), out))
     ret = str(attrs.ret_type)
@@ -357,6 +405,8 @@ def reshape(lf: Lifting, call, ty) -> Node:
     out = static_shape(ty)
     if call.op.name == "relax.astype" and str(ty.dtype) != str(call.args[0].ty.dtype):
         raise Unliftable(f"a cast to {ty.dtype}")
+    if node.perm:
+        raise Unliftable("a reshape of a value held with its axes permuted")
     if call.op.name == "relax.permute_dims" and out != node.shape:
         raise Unliftable("a transpose of a lifted value")
     if out == node.shape:
@@ -364,7 +414,7 @@ def reshape(lf: Lifting, call, ty) -> Node:
     if node.kind == "row":
         keep = bool(out) and out[-1] == 1 and len(out) > 1
         frame = out[:-1] if keep else out
-    elif out and out[-1] == node.shape[-1]:
+    elif out and out[-1] == (node.frag.n or node.shape[-1]):
         frame = out[:-1]
     else:
         raise Unliftable(f"a reshape {node.shape} -> {out} that moves the stream axis")
