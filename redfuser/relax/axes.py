@@ -61,7 +61,7 @@ def axes_view(shape: tuple, axis) -> View:
     Examples
     --------
     >>> axes_view((2, 6, 8), None).out
-    (48,)
+    (96,)
     >>> axes_view((2, 6, 8), [-1]).kept
     (0, 1)
     """
