@@ -127,3 +127,49 @@ def test_every_reduction_op_is_in_the_report(name):
     _, report = fuse_module(_module(make))
     assert report.found == 1 and report.fused == 0, str(report)
     assert words in report.groups[0].reason, str(report)
+
+
+def _sdpa_args(heads: int = 2, kv_heads: int = 2, q_len: int = 8, kv_len: int = 12, d: int = 4):
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(1, heads, q_len, d, generator=g),
+            torch.randn(1, kv_heads, kv_len, d, generator=g),
+            torch.randn(1, kv_heads, kv_len, d, generator=g))
+
+
+def _bool_mask(q_len: int = 8, kv_len: int = 12):
+    """Random visibility, one row with no visible key (safe softmax: 0) and one with one."""
+    keep = torch.rand(q_len, kv_len, generator=torch.Generator().manual_seed(6)) > 0.4
+    keep[2], keep[5] = False, False
+    keep[5, 7] = True
+    return keep
+
+
+SDPA = {  # name -> (module, inputs)
+    "plain": (Fn(lambda s, q, k, v: F.scaled_dot_product_attention(q, k, v)), _sdpa_args()),
+    "bool_mask_fully_masked_row": (
+        Fn(lambda s, q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
+        (*_sdpa_args(), _bool_mask())),
+    "additive_mask": (
+        Fn(lambda s, q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m)),
+        (*_sdpa_args(), _x(8, 12, seed=7))),
+    "causal": (Fn(lambda s, q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+               _sdpa_args(kv_len=8)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SDPA))
+def test_decomposed_sdpa_is_one_attention_kernel(name):
+    """torch.export's SDPA (QK matmul, mask, safe softmax with its where, PV matmul) is one
+    fused kernel: both matmuls and the softmax in it, no int8 reduction left over."""
+    model, args = SDPA[name]
+    mod = import_torch(model.eval(), args)
+    fused, report = fuse_module(mod)
+    assert (report.found, report.fused) == (1, 1), str(report)
+    assert {"matmul", "softmax"} <= {o.split()[0] for o in report.groups[0].ops}
+    text = fused.script()
+    assert "R.nn.softmax" not in text and "R.matmul" not in text, text
+    assert "R.max" not in text and "int8" not in text, text
+    executable, _ = build(mod)
+    (got,) = run(executable, *[a.numpy() for a in args])
+    (expected,) = _torch(model, args)
+    np.testing.assert_allclose(got, expected, **TOL)

@@ -27,6 +27,7 @@ class Lifter:
     failures: dict = field(default_factory=dict)  # Relax var -> (op, reason): reductions
     absorbed: set = field(default_factory=set)  # (consumer var, operand var) read as nodes
     values: dict = field(default_factory=dict)  # every bound var of the function -> value
+    quiet: set = field(default_factory=set)  # not reported: chains a handler absorbed
     seq: int = 0
     _inputs: list = field(default_factory=list)  # (Input, name)
     _pending: list = field(default_factory=list)
@@ -54,6 +55,8 @@ class Lifter:
             except Exception as e:  # noqa: BLE001 - an op form the table does not expect
                 if op in SEEDS:
                     self.failures[b.var] = (_short(op), f"{type(e).__name__}: {e}")
+        for var in self.quiet:
+            self.failures.pop(var, None)
         return self
 
     # Statements and inputs ------------------------------------------------------------

@@ -14,6 +14,7 @@ from string import Formatter
 from ..tvm_adapter import relax
 from .axes import View, axes_view, read_data, read_weight
 from .frag import Unliftable, merge, reframe
+from .idioms import GUARD, fully_masked_flag, guard_of, zeros_like
 from .values import MAX_TERMS, Ext, Lifting, Node, Operand, literal, pad_shape, static_shape
 
 UNARY = {  # Relax op -> spec template of its operand {0}
@@ -277,10 +278,16 @@ def _contract(lf: Lifting, a, b, sb: tuple, out: tuple) -> Node:
     frag = merge([e.frag, wfrag], frame, k)
     if frag.d != p:
         raise Unliftable(f"two feature lengths ({frag.d} and {p}) in one kernel")
-    terms = e.term_list()
+    guard = None if e.terms else guard_of(frag.stmts.get(e.text))
+    terms = ((guard[1], frozenset({guard[1]})),) if guard else e.term_list()
     text = " + ".join(f"sum(({t}) * {ref})" for t, _ in terms)
     stmt = lf.stmt(text, "red", frozenset().union(*(d for _, d in terms)), "relax.matmul")
-    return Node("vec", frag.with_stmt(stmt), stmt.name, frozenset({stmt.name}), out)
+    frag = frag.with_stmt(stmt)
+    if guard:  # a safe softmax's rows with no visible key give 0
+        stmt = lf.stmt(GUARD.format(d=guard[0], p=stmt.name), "epi",
+                       {guard[0], stmt.name}, "relax.matmul")
+        frag = frag.with_stmt(stmt)
+    return Node("vec", frag, stmt.name, frozenset({stmt.name}), out)
 
 
 def _dot(lf: Lifting, a, b, sa: tuple, sb: tuple, out: tuple) -> Node:
@@ -365,6 +372,9 @@ def where(lf: Lifting, call, ty) -> Node:
     """where(c, a, b) as the spec's select (np.where semantics: the unselected branch never
     reaches the result, so inf or NaN in masked slots stays out).  The boolean condition
     becomes a 0/1 float input read as ``c > 0.5``."""
+    safe = _safe_softmax(lf, call)
+    if safe is not None:
+        return safe
     cond, a, b = call.args
     out = static_shape(ty)
     if str(cond.ty.dtype) != "bool" or not out:
@@ -375,6 +385,28 @@ def where(lf: Lifting, call, ty) -> Node:
                       lf.combine(ops, out[:-1]))
     return Node("elem", frag, stmt.name, frozenset({stmt.name}), out, (),
                 ops[1].dots | ops[2].dots)
+
+
+def _safe_softmax(lf: Lifting, call) -> Node | None:
+    """where(row fully masked, 0, softmax(s)) as torch.export writes a safe softmax
+    (``idioms.py``): ``where(d > 0, p, 0)`` on the softmax's own sum ``d``."""
+    cond, zero, p = call.args
+    found, node = fully_masked_flag(lf.values, cond), lf.nodes.get(p)
+    softmax = lf.values.get(p)
+    if found is None or node is None or node.kind != "elem" or not zeros_like(
+            lf.values, zero, p) or getattr(getattr(softmax, "op", None), "name", "") != \
+            "relax.nn.softmax" or not softmax.args[0].same_as(found[0]):
+        return None
+    sums = sorted((s for s in node.frag.stmts.values()
+                   if s.op == f"softmax {p.name}" and s.kind == "red"), key=lambda s: s.seq)
+    node, d = lf.node(p), sums[-1]
+    stmt = lf.stmt(GUARD.format(d=d.name, p=node.text), "let", node.deps | {d.name},
+                   "relax.where")
+    lf.quiet.update(found[1])  # the flag's chain (its int8 max) dies with the where
+    if isinstance(zero, relax.Var):
+        lf.absorbed.add((zero, p))  # full_like reads p's shape only, and dies too
+    return Node("elem", node.frag.with_stmt(stmt), stmt.name, frozenset({stmt.name}),
+                node.shape, (), node.dots)
 
 
 def gather(lf: Lifting, call, ty) -> Node:
@@ -414,7 +446,7 @@ def reshape(lf: Lifting, call, ty) -> Node:
     if node.kind == "row":
         keep = bool(out) and out[-1] == 1 and len(out) > 1
         frame = out[:-1] if keep else out
-    elif out and out[-1] == (node.frag.n or node.shape[-1]):
+    elif out and out[-1] == (node.frag.n if node.kind == "elem" else node.shape[-1]):
         frame = out[:-1]
     else:
         raise Unliftable(f"a reshape {node.shape} -> {out} that moves the stream axis")

@@ -101,6 +101,8 @@ class Lifting(Protocol):
     materialise: frozenset  # matmuls to keep as they are
     nodes: dict  # Relax var -> Node
     values: dict  # every bound var of the function -> its value
+    absorbed: set  # (consumer var, operand var): reads that die with the fused kernel
+    quiet: set  # vars whose failure to lift is not reported (a chain a handler absorbed)
 
     def stmt(self, text: str, kind: str, deps, op: str) -> Stmt: ...
     def input(self, ext: Ext, kind: str, vector: bool, rows: tuple, frame, n, d=None): ...
