@@ -115,7 +115,7 @@ UNSUPPORTED = {  # op -> (Relax value of x: (2, 4, 6, 8), words of its reason)
     "batch_norm": (lambda x: relax.op.nn.batch_norm(
         x, *(relax.const(np.ones(4, "float32")) for _ in range(4)), axis=1, training=True),
                    "running"),
-    "attention": (lambda x: relax.op.nn.attention(x, x, x), "matmul, softmax, matmul"),
+    "attention_window": (lambda x: relax.op.nn.attention(x, x, x, window_size=2), "window"),
     "sum_int": (lambda x: relax.op.sum(relax.op.astype(x, "int32"), axis=[3]), "dtype int32"),
     "prod_single": (lambda x: relax.op.prod(x, axis=[1, 2]), "single reduction"),
 }
@@ -173,3 +173,55 @@ def test_decomposed_sdpa_is_one_attention_kernel(name):
     (got,) = run(executable, *[a.numpy() for a in args])
     (expected,) = _torch(model, args)
     np.testing.assert_allclose(got, expected, **TOL)
+
+
+def _attention_reference(q, k, v, bias=None, scale=None, causal=None):
+    """float64 attention in TVM's BSNH layout; K/V heads repeated for GQA; causal masks
+    as R.nn.attention documents them (TopLeft: tril(k=0), BottomRight: tril(k=|S - S_kv|))."""
+    q, k, v = (a.astype(np.float64).transpose(0, 2, 1, 3) for a in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = q @ k.transpose(0, 1, 3, 2) * (scale or 1 / np.sqrt(q.shape[-1]))
+    if bias is not None:
+        s = s + bias
+    if causal is not None:
+        offset = 0 if causal == "TopLeft" else abs(s.shape[2] - s.shape[3])
+        s = np.where(np.tril(np.ones(s.shape[2:], bool), k=offset), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True) @ v).transpose(0, 2, 1, 3)
+
+
+ATTENTION = {  # name -> (q heads, kv heads, S, S_kv, bias shape or None, scale, causal mask)
+    "plain": (2, 2, 6, 9, None, None, None),
+    "gqa_4_heads_on_2": (4, 2, 6, 9, None, 0.3, None),
+    "bias_per_head": (2, 2, 6, 9, (1, 2, 6, 9), None, None),
+    "bias_broadcast_heads": (4, 1, 6, 9, (2, 1, 6, 9), None, None),
+    "causal_top_left": (2, 2, 7, 7, None, None, "TopLeft"),
+    "causal_bottom_right_gqa": (4, 2, 5, 8, None, None, "BottomRight"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION))
+def test_relax_attention_op_lifted(name):
+    """R.nn.attention / attention_bias: one fused kernel, against the float64 reference;
+    with grouped heads, K and V are read as they are (no repeated copy in the module)."""
+    heads, kv_heads, s, n, bias_shape, scale, causal = ATTENTION[name]
+    rng = np.random.default_rng(8)
+    arrays = [rng.normal(size=(2, length, h, 8)).astype("float32")
+              for length, h in ((s, heads), (n, kv_heads), (n, kv_heads))]
+    if bias_shape:
+        arrays.append(rng.normal(size=bias_shape).astype("float32"))
+    bb = relax.BlockBuilder()
+    xs = [relax.Var(f"a{k}", relax.TensorType(a.shape, "float32")) for k, a in enumerate(arrays)]
+    with bb.function("main", xs):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.attention(*xs[:3], xs[3] if bias_shape else None,
+                                                     scale, causal))
+        bb.emit_func_output(y)
+    fused, report = fuse_module(bb.get())
+    assert (report.found, report.fused) == (1, 1), str(report)
+    assert "R.nn.attention" not in fused.script() and "repeat" not in fused.script()
+    executable, _ = build(bb.get())
+    expected = _attention_reference(*arrays[:3], arrays[3] if bias_shape else None, scale,
+                                    causal)
+    np.testing.assert_allclose(run(executable, *arrays), expected, **TOL)

@@ -77,6 +77,38 @@ def axes_view(shape: tuple, axis) -> View:
     return view
 
 
+def _group_view(call, shape: tuple) -> View:
+    """group_norm: the channel axis split into (groups, channels per group); each group
+    reduces over its channels and the spatial axes."""
+    attrs, rank = call.attrs, len(shape)
+    c, groups = int(attrs.channel_axis) % rank, int(attrs.num_groups)
+    if shape[c] % groups:
+        raise Unliftable(f"{shape[c]} channels in {groups} groups")
+    split = (*shape[:c], groups, shape[c] // groups, *shape[c + 1:])
+    spatial = {int(a) % rank for a in attrs.axes}
+    reduced = {c + 1} | {a + (a > c) for a in spatial}
+    return View(split, tuple(a for a in range(rank + 1) if a not in reduced),
+                tuple(sorted(reduced)))
+
+
+VIEWS = {  # op -> its reduction view of the data (default: its axis / axes attribute)
+    "relax.nn.group_norm": _group_view,
+    "relax.nn.instance_norm": lambda call, shape: axes_view(shape, call.attrs.axes),
+}
+
+
+def weight_shape(call, view: View) -> tuple:
+    """Where a norm's weight varies, one entry per view axis (1 where it is broadcast)."""
+    op, shape = call.op.name, view.shape
+    if op == "relax.nn.group_norm":
+        c = int(call.attrs.channel_axis) % (len(shape) - 1)
+        return tuple(shape[a] if a in (c, c + 1) else 1 for a in range(len(shape)))
+    if op == "relax.nn.instance_norm":
+        c = int(call.attrs.channel_axis) % len(shape)
+        return tuple(shape[a] if a == c else 1 for a in range(len(shape)))
+    return tuple(shape[a] if a in view.reduced else 1 for a in range(len(shape)))
+
+
 def read_data(lf: Lifting, data, view: View) -> Operand:
     """The reduced data per element of the view: a lifted value when the reduction is
     over its last axis, else the Relax value reshaped (free) or permuted (a copy)."""

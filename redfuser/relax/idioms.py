@@ -18,6 +18,7 @@ import re
 import numpy as np
 
 from ..tvm_adapter import GenericConst, relax
+from .values import Lifting, Node
 
 # the flag's chain from the where's condition back to the scores: (op, check of the call)
 FLAG_CHAIN = (
@@ -79,6 +80,35 @@ def guard_of(stmt) -> tuple[str, str] | None:
     """(d, p) of a safe-softmax statement ``where(d > 0, p, 0)``; None for any other.  A
     sum over the stream of its values is ``where(d > 0, sum(p ...), 0)``: the condition is
     one per row, so it selects on the result (a condition on a running value inside a
-    sum would not be separable)."""
+    sum would not be separable).
+
+    Examples
+    --------
+    >>> from redfuser.relax.frag import Stmt
+    >>> guard_of(Stmt(4, "t4", GUARD.format(d="t3", p="t2"), "let", frozenset(), "where"))
+    ('t3', 't2')
+    """
     match = _GUARD.fullmatch(stmt.text) if stmt is not None else None
     return (match[1], match[2]) if match else None
+
+
+def safe_softmax(lf: Lifting, call) -> Node | None:
+    """where(row fully masked, 0, softmax(s)) as torch.export writes a safe softmax
+    (above): ``where(d > 0, p, 0)`` on the softmax's own sum ``d``."""
+    cond, zero, p = call.args
+    found, node = fully_masked_flag(lf.values, cond), lf.nodes.get(p)
+    softmax = lf.values.get(p)
+    if found is None or node is None or node.kind != "elem" or not zeros_like(
+            lf.values, zero, p) or getattr(getattr(softmax, "op", None), "name", "") != \
+            "relax.nn.softmax" or not softmax.args[0].same_as(found[0]):
+        return None
+    sums = sorted((s for s in node.frag.stmts.values()
+                   if s.op == f"softmax {p.name}" and s.kind == "red"), key=lambda s: s.seq)
+    node, d = lf.node(p), sums[-1]
+    stmt = lf.stmt(GUARD.format(d=d.name, p=node.text), "let", node.deps | {d.name},
+                   "relax.where")
+    lf.quiet.update(found[1])  # the flag's chain (its int8 max) dies with the where
+    if isinstance(zero, relax.Var):
+        lf.absorbed.add((zero, p))  # full_like reads p's shape only, and dies too
+    return Node("elem", node.frag.with_stmt(stmt), stmt.name, frozenset({stmt.name}),
+                node.shape, (), node.dots)

@@ -12,9 +12,10 @@ import dataclasses
 from string import Formatter
 
 from ..tvm_adapter import relax
-from .axes import View, axes_view, read_data, read_weight
+from .attention import attention
+from .axes import VIEWS, View, axes_view, read_data, read_weight, weight_shape
 from .frag import Unliftable, merge, reframe
-from .idioms import GUARD, fully_masked_flag, guard_of, zeros_like
+from .idioms import GUARD, guard_of, safe_softmax
 from .values import MAX_TERMS, Ext, Lifting, Node, Operand, literal, pad_shape, static_shape
 
 UNARY = {  # Relax op -> spec template of its operand {0}
@@ -86,10 +87,9 @@ for _norm in ("relax.nn.group_norm", "relax.nn.instance_norm"):
 NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm", "relax.nn.group_norm",
          "relax.nn.instance_norm")  # statistics with a weight (and a bias) after them
 
-SEEDS = {*STATS, "relax.topk", "relax.gather_elements"}  # ops that start a cascade
+SEEDS = {*STATS, "relax.topk", "relax.gather_elements", "relax.nn.attention",
+         "relax.nn.attention_bias"}  # ops that start a cascade
 
-_ATTENTION = ("one fused op (softmax(q k^T) v inside) with no lifting: written out as "
-              "matmul, softmax, matmul it lifts and fuses")
 # Reductions the pass meets but cannot lift: op -> why (or call -> why, None where the call
 # does not reduce).  The report names each one skipped with its reason, never silently.
 UNLIFTED = {
@@ -97,9 +97,8 @@ UNLIFTED = {
                                         "statistics (a tuple of three): no lifting (PyTorch's "
                                         "importer writes it as instance_norm, which lifts)"
                                         if bool(call.attrs.training) else None,
-    "relax.nn.attention": _ATTENTION,
-    "relax.nn.attention_bias": _ATTENTION,
-    "relax.nn.attention_var_len": _ATTENTION + " (and its lengths are symbolic)",
+    "relax.nn.attention_var_len": "attention over packed sequences of symbolic lengths: "
+                                  "no lifting",
     "relax.nn.cross_entropy_with_logits": "cross_entropy_with_logits reduces over the batch "
                                           "too: no lifting (log_softmax and a sum of "
                                           "target * logp lift)",
@@ -175,38 +174,6 @@ def _last_axis(axis, rank: int):
         raise Unliftable(f"reduces over axes {axes} of a rank-{rank} tensor, not the last one")
 
 
-def _group_view(call, shape: tuple) -> View:
-    """group_norm: the channel axis split into (groups, channels per group); each group
-    reduces over its channels and the spatial axes."""
-    attrs, rank = call.attrs, len(shape)
-    c, groups = int(attrs.channel_axis) % rank, int(attrs.num_groups)
-    if shape[c] % groups:
-        raise Unliftable(f"{shape[c]} channels in {groups} groups")
-    split = (*shape[:c], groups, shape[c] // groups, *shape[c + 1:])
-    spatial = {int(a) % rank for a in attrs.axes}
-    reduced = {c + 1} | {a + (a > c) for a in spatial}
-    return View(split, tuple(a for a in range(rank + 1) if a not in reduced),
-                tuple(sorted(reduced)))
-
-
-VIEWS = {  # op -> its reduction view of the data (default: its axis / axes attribute)
-    "relax.nn.group_norm": _group_view,
-    "relax.nn.instance_norm": lambda call, shape: axes_view(shape, call.attrs.axes),
-}
-
-
-def _weight_shape(call, view: View) -> tuple:
-    """Where a norm's weight varies, one entry per view axis (1 where it is broadcast)."""
-    op, shape = call.op.name, view.shape
-    if op == "relax.nn.group_norm":
-        c = int(call.attrs.channel_axis) % (len(shape) - 1)
-        return tuple(shape[a] if a in (c, c + 1) else 1 for a in range(len(shape)))
-    if op == "relax.nn.instance_norm":
-        c = int(call.attrs.channel_axis) % len(shape)
-        return tuple(shape[a] if a == c else 1 for a in range(len(shape)))
-    return tuple(shape[a] if a in view.reduced else 1 for a in range(len(shape)))
-
-
 def statistics(lf: Lifting, call, ty) -> Node:
     op, data, attrs = call.op.name, call.args[0], call.attrs
     shape = static_shape(data.ty)
@@ -243,7 +210,7 @@ def _affine(lf: Lifting, call, value: Node, view: View) -> Node:
         steps.append(("relax.add", call.args[2]))
     for op, arg in steps:
         ops = [Operand(value.text, value.deps, value.frag, value.terms, value.dots),
-               read_weight(lf, arg, view, _weight_shape(call, view))]
+               read_weight(lf, arg, view, weight_shape(call, view))]
         stmt, frag = _new(lf, BINARY[op], ops, "let", call.op.name,
                           lf.combine(ops, out[:-1]))
         value = Node("elem", frag, stmt.name, frozenset({stmt.name}), out, _terms(op, ops),
@@ -372,7 +339,7 @@ def where(lf: Lifting, call, ty) -> Node:
     """where(c, a, b) as the spec's select (np.where semantics: the unselected branch never
     reaches the result, so inf or NaN in masked slots stays out).  The boolean condition
     becomes a 0/1 float input read as ``c > 0.5``."""
-    safe = _safe_softmax(lf, call)
+    safe = safe_softmax(lf, call)
     if safe is not None:
         return safe
     cond, a, b = call.args
@@ -385,28 +352,6 @@ def where(lf: Lifting, call, ty) -> Node:
                       lf.combine(ops, out[:-1]))
     return Node("elem", frag, stmt.name, frozenset({stmt.name}), out, (),
                 ops[1].dots | ops[2].dots)
-
-
-def _safe_softmax(lf: Lifting, call) -> Node | None:
-    """where(row fully masked, 0, softmax(s)) as torch.export writes a safe softmax
-    (``idioms.py``): ``where(d > 0, p, 0)`` on the softmax's own sum ``d``."""
-    cond, zero, p = call.args
-    found, node = fully_masked_flag(lf.values, cond), lf.nodes.get(p)
-    softmax = lf.values.get(p)
-    if found is None or node is None or node.kind != "elem" or not zeros_like(
-            lf.values, zero, p) or getattr(getattr(softmax, "op", None), "name", "") != \
-            "relax.nn.softmax" or not softmax.args[0].same_as(found[0]):
-        return None
-    sums = sorted((s for s in node.frag.stmts.values()
-                   if s.op == f"softmax {p.name}" and s.kind == "red"), key=lambda s: s.seq)
-    node, d = lf.node(p), sums[-1]
-    stmt = lf.stmt(GUARD.format(d=d.name, p=node.text), "let", node.deps | {d.name},
-                   "relax.where")
-    lf.quiet.update(found[1])  # the flag's chain (its int8 max) dies with the where
-    if isinstance(zero, relax.Var):
-        lf.absorbed.add((zero, p))  # full_like reads p's shape only, and dies too
-    return Node("elem", node.frag.with_stmt(stmt), stmt.name, frozenset({stmt.name}),
-                node.shape, (), node.dots)
 
 
 def gather(lf: Lifting, call, ty) -> Node:
@@ -462,6 +407,8 @@ OPS = {
     "Tuple": make_tuple,
     "relax.where": where,
     "relax.gather_elements": gather,
+    "relax.nn.attention": attention,
+    "relax.nn.attention_bias": attention,
     **dict.fromkeys(["relax.reshape", "relax.expand_dims", "relax.squeeze",
                      "relax.broadcast_to", "relax.astype", "relax.permute_dims"], reshape),
 }
