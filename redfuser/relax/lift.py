@@ -27,6 +27,7 @@ class Lifter:
     failures: dict = field(default_factory=dict)  # Relax var -> (op, reason): reductions
     absorbed: set = field(default_factory=set)  # (consumer var, operand var) read as nodes
     values: dict = field(default_factory=dict)  # every bound var of the function -> value
+    quiet: set = field(default_factory=set)  # not reported: chains a handler absorbed
     seq: int = 0
     _inputs: list = field(default_factory=list)  # (Input, name)
     _pending: list = field(default_factory=list)
@@ -54,6 +55,8 @@ class Lifter:
             except Exception as e:  # noqa: BLE001 - an op form the table does not expect
                 if op in SEEDS:
                     self.failures[b.var] = (_short(op), f"{type(e).__name__}: {e}")
+        for var in self.quiet:
+            self.failures.pop(var, None)
         return self
 
     # Statements and inputs ------------------------------------------------------------
@@ -135,7 +138,7 @@ class Lifter:
         frame, n = out[:-1], out[-1]
         if node.kind == "row" and node.shape and node.shape[-1] == 1 and len(node.shape) > 1:
             return Operand(node.text, node.deps, reframe(node.frag, frame))
-        if node.kind != "elem" or node.shape[-1] != n:
+        if node.kind != "elem" or node.shape[-1] != n or node.frag.n != n or node.perm:
             raise Unliftable(f"a {node.kind} value {node.shape} read per element of {out}")
         return Operand(node.text, node.deps, reframe(node.frag, frame), node.terms, node.dots)
 

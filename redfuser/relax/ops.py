@@ -2,8 +2,8 @@
 
 ``OPS`` maps a Relax op name to its handler.  Elementwise ops are two templates tables;
 statistics ops (softmax, layer_norm, ...) are step tables; matmul, topk, where, gather and
-the shape ops have small handlers.  Reductions run over the last axis only (the stream);
-every other axis is a row axis.
+the shape ops have small handlers.  A reduction reads its data as rows x stream
+(``axes.py``: any set of axes, the trailing ones in place, others through a permutation).
 """
 
 from __future__ import annotations
@@ -12,7 +12,10 @@ import dataclasses
 from string import Formatter
 
 from ..tvm_adapter import relax
+from .attention import attention
+from .axes import VIEWS, View, axes_view, read_data, read_weight, weight_shape
 from .frag import Unliftable, merge, reframe
+from .idioms import GUARD, guard_of, safe_softmax
 from .values import MAX_TERMS, Ext, Lifting, Node, Operand, literal, pad_shape, static_shape
 
 UNARY = {  # Relax op -> spec template of its operand {0}
@@ -72,32 +75,40 @@ STATS = {  # Relax op -> (steps, kind of the value, additive terms of the value)
     # LayerNorm statistics and normalisation (gamma and beta follow as multiply and add)
     "relax.nn.layer_norm": ((("red", "sum({E}) / N"), ("red", "sum(({E} - {0})**2) / N"),
                              ("let", "({E} - {0}) / sqrt({1} + {eps})")), "elem", ()),
+    "relax.nn.group_norm": None,  # LayerNorm's steps over each group (views below)
+    "relax.nn.instance_norm": None,  # and over each channel's spatial (or batch) axes
     # RMSNorm (the weight follows as a multiply)
     "relax.nn.rms_norm": ((("red", "sqrt(sum({E}**2) / N + {eps})"), ("let", "{E} / {0}")),
                           "elem", ()),
 }
 
-SEEDS = {*STATS, "relax.topk", "relax.gather_elements"}  # ops that start a cascade
+for _norm in ("relax.nn.group_norm", "relax.nn.instance_norm"):
+    STATS[_norm] = STATS["relax.nn.layer_norm"]
+NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm", "relax.nn.group_norm",
+         "relax.nn.instance_norm")  # statistics with a weight (and a bias) after them
 
-_ATTENTION = ("one fused op (softmax(q k^T) v inside) with no lifting: written out as "
-              "matmul, softmax, matmul it lifts and fuses")
+SEEDS = {*STATS, "relax.topk", "relax.gather_elements", "relax.nn.attention",
+         "relax.nn.attention_bias"}  # ops that start a cascade
+
 # Reductions the pass meets but cannot lift: op -> why (or call -> why, None where the call
 # does not reduce).  The report names each one skipped with its reason, never silently.
 UNLIFTED = {
-    "relax.nn.group_norm": "group_norm reduces over groups of channels and their spatial "
-                           "axes, not the last axis: no lifting",
-    "relax.nn.instance_norm": "instance_norm reduces over the spatial axes per channel, "
-                              "with per-channel scale and shift: no lifting",
-    "relax.nn.batch_norm": lambda call: "batch_norm in training reduces over the batch "
-                                        "(across rows, not along them): no lifting"
+    "relax.nn.batch_norm": lambda call: "batch_norm in training also updates the running "
+                                        "statistics (a tuple of three): no lifting (PyTorch's "
+                                        "importer writes it as instance_norm, which lifts)"
                                         if bool(call.attrs.training) else None,
-    "relax.nn.attention": _ATTENTION,
-    "relax.nn.attention_bias": _ATTENTION,
-    "relax.nn.attention_var_len": _ATTENTION + " (and its lengths are symbolic)",
+    "relax.nn.attention_var_len": "attention over packed sequences of symbolic lengths: "
+                                  "no lifting",
     "relax.nn.cross_entropy_with_logits": "cross_entropy_with_logits reduces over the batch "
                                           "too: no lifting (log_softmax and a sum of "
                                           "target * logp lift)",
     "relax.nn.nll_loss": "nll_loss gathers and averages over the batch: no lifting",
+    **dict.fromkeys(["relax.cumsum", "relax.cumprod"], "a scan: every prefix is an output, "
+                                                       "no one-pass rule to derive"),
+    **dict.fromkeys(["relax.sort", "relax.argsort"], "a sort: no lifting"),
+    **{f"relax.nn.{kind}_pool{d}d": f"{kind} pooling reduces over windows of the spatial "
+                                    "axes: no lifting"
+       for kind in ("avg", "max", "adaptive_avg") for d in (1, 2, 3)},
 }
 
 
@@ -164,14 +175,14 @@ def _last_axis(axis, rank: int):
 
 
 def statistics(lf: Lifting, call, ty) -> Node:
-    op, data = call.op.name, call.args[0]
+    op, data, attrs = call.op.name, call.args[0], call.attrs
     shape = static_shape(data.ty)
-    attrs = call.attrs
-    _last_axis(getattr(attrs, "axis", getattr(attrs, "axes", None)), len(shape))
-    if len(shape) < 1 or shape[-1] < 2:
-        raise Unliftable(f"nothing to reduce over: shape {shape}")
+    view = VIEWS[op](call, shape) if op in VIEWS else axes_view(
+        shape, getattr(attrs, "axis", getattr(attrs, "axes", None)))
+    if view.perm and op == "relax.nn.group_norm":
+        raise Unliftable("group_norm with the channel axis after a spatial axis")
     steps, kind, term_templates = STATS[op]
-    e = lf.elem(data, shape)
+    e = read_data(lf, data, view)
     frag, names = e.frag, []
     eps = literal(float(attrs.epsilon)) if hasattr(attrs, "epsilon") else ""
     for step_kind, template in steps:
@@ -182,21 +193,24 @@ def statistics(lf: Lifting, call, ty) -> Node:
         {names[int(f)] for f in _fields(t) if f.isdigit()}) | (e.deps if "E" in _fields(t)
                                                               else frozenset()))
                   for t in term_templates)
-    value = Node(kind, frag, names[-1], frozenset({names[-1]}), static_shape(ty), terms,
+    value = Node(kind, frag, names[-1], frozenset({names[-1]}), view.out, terms,
                  e.dots if kind == "elem" else frozenset())
-    return _affine(lf, call, value) if op in ("relax.nn.layer_norm", "relax.nn.rms_norm") \
-        else value
+    if op in NORMS:
+        value = _affine(lf, call, value, view)
+    if kind != "elem":
+        return dataclasses.replace(value, shape=static_shape(ty))
+    return dataclasses.replace(value, shape=static_shape(ty), perm=view.perm)
 
 
-def _affine(lf: Lifting, call, value: Node) -> Node:
-    """LayerNorm's gamma and beta, RMSNorm's weight: a multiply, then an add."""
-    attrs, out = call.attrs, value.shape
+def _affine(lf: Lifting, call, value: Node, view: View) -> Node:
+    """A norm's weight (gamma) and bias (beta): a multiply, then an add."""
+    attrs, out = call.attrs, view.out
     steps = [("relax.multiply", call.args[1])] if getattr(attrs, "scale", True) else []
     if getattr(attrs, "center", False):
         steps.append(("relax.add", call.args[2]))
     for op, arg in steps:
         ops = [Operand(value.text, value.deps, value.frag, value.terms, value.dots),
-               lf.elem(arg, out)]
+               read_weight(lf, arg, view, weight_shape(call, view))]
         stmt, frag = _new(lf, BINARY[op], ops, "let", call.op.name,
                           lf.combine(ops, out[:-1]))
         value = Node("elem", frag, stmt.name, frozenset({stmt.name}), out, _terms(op, ops),
@@ -231,10 +245,16 @@ def _contract(lf: Lifting, a, b, sb: tuple, out: tuple) -> Node:
     frag = merge([e.frag, wfrag], frame, k)
     if frag.d != p:
         raise Unliftable(f"two feature lengths ({frag.d} and {p}) in one kernel")
-    terms = e.term_list()
+    guard = None if e.terms else guard_of(frag.stmts.get(e.text))
+    terms = ((guard[1], frozenset({guard[1]})),) if guard else e.term_list()
     text = " + ".join(f"sum(({t}) * {ref})" for t, _ in terms)
     stmt = lf.stmt(text, "red", frozenset().union(*(d for _, d in terms)), "relax.matmul")
-    return Node("vec", frag.with_stmt(stmt), stmt.name, frozenset({stmt.name}), out)
+    frag = frag.with_stmt(stmt)
+    if guard:  # a safe softmax's rows with no visible key give 0
+        stmt = lf.stmt(GUARD.format(d=guard[0], p=stmt.name), "epi",
+                       {guard[0], stmt.name}, "relax.matmul")
+        frag = frag.with_stmt(stmt)
+    return Node("vec", frag, stmt.name, frozenset({stmt.name}), out)
 
 
 def _dot(lf: Lifting, a, b, sa: tuple, sb: tuple, out: tuple) -> Node:
@@ -276,11 +296,13 @@ def _transposed(lf: Lifting, b) -> Ext:
 
 def topk(lf: Lifting, call, ty) -> Node:
     data, attrs = call.args[0], call.attrs
-    shape = static_shape(data.ty)
-    _last_axis(attrs.axis, len(shape))
+    shape, k = static_shape(data.ty), int(attrs.k)
+    view = axes_view(shape, int(attrs.axis))
     if not attrs.largest or str(attrs.dtype) != "int64":
         raise Unliftable("topk needs largest=True and int64 indices")
-    e, k = lf.elem(data, shape), int(attrs.k)
+    if k > 1 and view.perm:
+        raise Unliftable(f"topk of {k} over axis {int(attrs.axis)}, not the last one")
+    e = read_data(lf, data, view)
     # k = 1 is torch's max(dim)/min(dim): a per-row maximum and its index
     ops = ("max", "argmax", "row") if k == 1 else ("topk", "argtopk", "topk")
     values = lf.stmt(f"{ops[0]}({e.text}{'' if k == 1 else f', {k}'})", "red", e.deps,
@@ -288,7 +310,7 @@ def topk(lf: Lifting, call, ty) -> Node:
     indices = lf.stmt(f"{ops[1]}({e.text}{'' if k == 1 else f', {k}'})", "red", e.deps,
                       "relax.topk")
     frag = e.frag.with_stmt(values).with_stmt(indices)
-    out = shape[:-1] + (k,)
+    out = tuple(k if a in view.reduced else size for a, size in enumerate(shape))
     pair = (Node(ops[2], frag, values.name, frozenset({values.name}), out),
             Node("index", frag, indices.name, frozenset({indices.name}), out))
     ret = str(attrs.ret_type)
@@ -317,6 +339,9 @@ def where(lf: Lifting, call, ty) -> Node:
     """where(c, a, b) as the spec's select (np.where semantics: the unselected branch never
     reaches the result, so inf or NaN in masked slots stays out).  The boolean condition
     becomes a 0/1 float input read as ``c > 0.5``."""
+    safe = safe_softmax(lf, call)
+    if safe is not None:
+        return safe
     cond, a, b = call.args
     out = static_shape(ty)
     if str(cond.ty.dtype) != "bool" or not out:
@@ -357,6 +382,8 @@ def reshape(lf: Lifting, call, ty) -> Node:
     out = static_shape(ty)
     if call.op.name == "relax.astype" and str(ty.dtype) != str(call.args[0].ty.dtype):
         raise Unliftable(f"a cast to {ty.dtype}")
+    if node.perm:
+        raise Unliftable("a reshape of a value held with its axes permuted")
     if call.op.name == "relax.permute_dims" and out != node.shape:
         raise Unliftable("a transpose of a lifted value")
     if out == node.shape:
@@ -364,7 +391,7 @@ def reshape(lf: Lifting, call, ty) -> Node:
     if node.kind == "row":
         keep = bool(out) and out[-1] == 1 and len(out) > 1
         frame = out[:-1] if keep else out
-    elif out and out[-1] == node.shape[-1]:
+    elif out and out[-1] == (node.frag.n if node.kind == "elem" else node.shape[-1]):
         frame = out[:-1]
     else:
         raise Unliftable(f"a reshape {node.shape} -> {out} that moves the stream axis")
@@ -380,6 +407,8 @@ OPS = {
     "Tuple": make_tuple,
     "relax.where": where,
     "relax.gather_elements": gather,
+    "relax.nn.attention": attention,
+    "relax.nn.attention_bias": attention,
     **dict.fromkeys(["relax.reshape", "relax.expand_dims", "relax.squeeze",
                      "relax.broadcast_to", "relax.astype", "relax.permute_dims"], reshape),
 }

@@ -141,7 +141,7 @@ def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
                 raise Unliftable(f"output {var.name} {shape} does not match the kernel's "
                                  f"{kernel.outputs[index[out]][1]}")
             item = bind(relax.TupleGetItem(call, index[out]), f"{kernel.name}_{out}")
-            parts.append(relax.op.reshape(item, shape))
+            parts.append(_output(item, shape, field.perm, bind))
         value = parts[0] if len(parts) == 1 else relax.Tuple(
             [bind(p, f"{var.name}_{k}") for k, p in enumerate(parts)])
         new.append(relax.VarBinding(var, bb.normalize(value)))
@@ -156,17 +156,43 @@ def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
 
 
 def _prepared(inp, shape: tuple, bind):
-    """The input's Relax value before its reshape: transposed, or as float32 (an index or a
-    condition)."""
-    e, prep = inp.source, inp.prep
-    if prep == ("T",):
-        rank = len(shape_of(e.ty))
-        e = bind(relax.op.permute_dims(e, [*range(rank - 2), rank - 1, rank - 2]), "rf_t")
-    elif prep == ("float",):  # an index, or a boolean condition as 0/1
-        e = bind(relax.op.astype(e, "float32"), "rf_float")
+    """The input's Relax value before its reshape, after its prep steps (``PREP``): a
+    transpose, a cast to float32 (an index or a condition), a view that broadcasts a
+    per-channel weight, a permutation that puts the reduced axes last."""
+    e = inp.source
+    for step in prep_steps(inp.prep):
+        e = bind(PREP[step[0]](e, *step[1:]), f"rf_{step[0]}")
     if not provably_equal(prod(shape_of(e.ty)), prod(shape)):
         raise Unliftable(f"input {shape_of(e.ty)} cannot be read as {shape}")
     return e
+
+
+def _swap_last(e):
+    rank = len(shape_of(e.ty))
+    return relax.op.permute_dims(e, [*range(rank - 2), rank - 1, rank - 2])
+
+
+PREP = {  # prep step -> the Relax op it applies
+    "T": _swap_last,
+    "float": lambda e: relax.op.astype(e, "float32"),
+    "reshape": lambda e, shape: relax.op.reshape(e, shape),
+    "broadcast": lambda e, shape: relax.op.broadcast_to(e, shape),
+    "perm": lambda e, axes: relax.op.permute_dims(e, list(axes)),
+}
+
+
+def prep_steps(prep: tuple) -> tuple:
+    """A prep as its steps: ``("T",)`` is one step, ``(("reshape", s), ("perm", a))`` two."""
+    return prep if prep and isinstance(prep[0], tuple) else (prep,) if prep else ()
+
+
+def _output(item, shape: tuple, perm: tuple, bind):
+    """A kernel output as the Relax value's shape; ``perm``: the kernel computed it with the
+    value's axes in that order (its reduced axes moved last), so they are put back."""
+    if not perm:
+        return relax.op.reshape(item, shape)
+    moved = bind(relax.op.reshape(item, tuple(shape[a] for a in perm)), "rf_moved")
+    return relax.op.permute_dims(moved, [perm.index(a) for a in range(len(perm))])
 
 
 def _topological(bindings: list) -> list:

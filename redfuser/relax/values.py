@@ -24,7 +24,9 @@ class Node:
     ``kind``: elem (per element of the stream), row (one value per row), vec (a per-row
     feature vector, a matmul result), topk / index (k values or indices per row), tuple
     (topk's pair, in ``fields``).  ``terms`` split an elem into additive parts; ``dots``
-    are the inlined matmuls (Relax vars) it reads through lets.
+    are the inlined matmuls (Relax vars) it reads through lets.  ``perm``: the kernel
+    holds an elem value with its axes permuted (a reduction over a middle axis), so only
+    the splice reads it, putting the axes back.
     """
 
     kind: str
@@ -35,6 +37,7 @@ class Node:
     terms: tuple = ()
     dots: frozenset = frozenset()
     fields: tuple = ()
+    perm: tuple = ()  # computed with the value's axes in this order (reduced axes last)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ class Lifting(Protocol):
     materialise: frozenset  # matmuls to keep as they are
     nodes: dict  # Relax var -> Node
     values: dict  # every bound var of the function -> its value
+    absorbed: set  # (consumer var, operand var): reads that die with the fused kernel
+    quiet: set  # vars whose failure to lift is not reported (a chain a handler absorbed)
 
     def stmt(self, text: str, kind: str, deps, op: str) -> Stmt: ...
     def input(self, ext: Ext, kind: str, vector: bool, rows: tuple, frame, n, d=None): ...
