@@ -18,6 +18,10 @@ import sympy as sp
 import redfuser
 from algebra.errors import SpecError
 from algebra.functions import Clip, Round, bounds
+from redfuser.lowering.cpu.int8 import ISAS, int8_gemm, isa_for, scratch_shapes
+from redfuser.lowering.cpu.int8 import quant_gemm as quant_gemm_func
+from redfuser.quant import QuantGemm, quant_gemm
+from redfuser.tvm_adapter import build, cpu_target, from_numpy, host_source
 
 TIES = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5, 1e7 + 0.5, -0.49999997,
                  0.49999997, 8388607.5, np.inf, -np.inf, np.nan, -0.0], np.float32)
@@ -61,3 +65,87 @@ def test_clip_facts_and_errors():
         redfuser.derive("s = sum(clip(x[i], 1))")
     with pytest.raises(redfuser.NotFusable, match="clip"):
         redfuser.derive("m = max(x[i])\ns = sum(clip(x[i] - m, -1, 1))")
+
+
+# -- the integer GEMM ----------------------------------------------------------------------------
+
+HOST_ISA = isa_for(cpu_target())
+VNNI_CPU = {"kind": "llvm", "mcpu": "icelake-server"}  # any AVX-512 VNNI CPU LLVM knows
+
+
+def _run(func, name: str, arrays: list[np.ndarray], target=None):
+    ex = build(func, target or cpu_target())
+    ex[name](*(from_numpy(a) for a in arrays))
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(7, 37, 70), (12, 130, 128), (1, 1, 1)])
+def test_int8_gemm_is_exact(m, k, n):
+    """Every int8 pair, the extremes included (-128 * -128 summed K times), equals numpy's
+    int32 product; m, k, n off the block sizes exercise the row, K and column tails."""
+    rng = np.random.default_rng(m * k * n)
+    q = rng.integers(-128, 128, (m, k), dtype=np.int8)
+    w = rng.integers(-128, 128, (k, n), dtype=np.int8)
+    q[0, :], w[:, 0] = -128, -128
+    y = np.zeros((m, n), np.int32)
+    scratch = [np.zeros(s, d) for s, d in scratch_shapes(HOST_ISA, m, k, n).values()]
+    _run(int8_gemm(HOST_ISA, m, k, n), "int8_gemm", [q, w, y, *scratch])
+    np.testing.assert_array_equal(y, q.astype(np.int32) @ w.astype(np.int32))
+
+
+def test_vnni_kernel_uses_vpdpbusd():
+    """The VNNI micro-kernel, built for an AVX-512 VNNI CPU (this one may lack it: the code is
+    compiled, not run), is vpdpbusd on zmm registers with the A word broadcast."""
+    assert isa_for(VNNI_CPU).name == "avx512-vnni"
+    asm = host_source(build(quant_gemm_func(isa_for(VNNI_CPU), 12, 64, 128), VNNI_CPU), "asm")
+    assert asm.count("vpdpbusd") >= 24 and "zmm" in asm and "vpbroadcastd" in asm
+
+
+def test_int32_overflow_is_refused():
+    with pytest.raises(ValueError, match="exceeds"):
+        int8_gemm(HOST_ISA, 1, HOST_ISA.max_k + 1, 16)
+    assert all(isa.max_k >= 65536 for isa in ISAS)  # every K a model uses
+
+
+# -- quant_gemm: bit-identical to numpy quantize-then-GEMM ---------------------------------------
+
+def numpy_quant_gemm(x: np.ndarray, wq: np.ndarray, ws: np.ndarray) -> np.ndarray:
+    """The spec in numpy float32, the GEMM in float64 on the quantized integers (exact below
+    2**53, and a NaN row stays NaN, where ``astype(int32)`` of NaN would be garbage)."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        a = np.abs(x).max(axis=-1, keepdims=True)
+        q = np.clip(np.round(x * np.float32(127) / a), -127, 127)
+        acc = (q.astype(np.float64) @ wq.astype(np.float64)).astype(np.float32)
+        return acc * a / np.float32(127) * ws
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [((13,), 100, 70), ((2, 3), 64, 128)])
+def test_quant_gemm_is_bit_identical_to_numpy(rows, k, n):
+    rng = np.random.default_rng(k + n)
+    x = (rng.standard_normal(rows + (k,)) * 3).astype(np.float32)
+    flat = x.reshape(-1, k)
+    flat[0] = 0.0  # a = 0: 0/0 is NaN in numpy, so the row is NaN
+    flat[1, 5] = np.inf  # inf / inf: NaN
+    flat[2, :16] = TIES[:16]  # NaN in the row
+    flat[3, :] = np.linspace(-127, 127, k) / 127 * 2.5  # many exact .5 quantization ties
+    flat[4, :] *= 1e30  # huge magnitudes: a scale of 1e30
+    wq = rng.integers(-127, 128, (k, n), dtype=np.int8)
+    ws = (rng.random(n) / 50).astype(np.float32)
+    y = QuantGemm()(x, wq, ws)
+    ref = numpy_quant_gemm(x, wq, ws)
+    assert y.shape == rows + (n,) and y.dtype == np.float32
+    np.testing.assert_array_equal(y, ref)  # NaN where numpy has NaN, bit for bit elsewhere
+    assert np.isnan(y.reshape(-1, n)[:3]).all() and np.isfinite(y.reshape(-1, n)[3:]).all()
+
+
+def test_quant_gemm_empty_and_errors():
+    wq, ws = np.ones((4, 3), np.int8), np.ones(3, np.float32)
+    assert QuantGemm()(np.ones((0, 4), np.float32), wq, ws).shape == (0, 3)
+    assert np.isnan(quant_gemm(np.ones((2, 0), np.float32), wq[:0], ws)).all()  # 0 * -inf
+    with pytest.raises(TypeError, match="'wq' has dtype float32; expected int8"):
+        quant_gemm(np.ones((2, 4), np.float32), wq.astype(np.float32), ws)
+    with pytest.raises(TypeError, match="'x' has dtype float64; expected float32"):
+        quant_gemm(np.ones((2, 4)), wq, ws)
+    with pytest.raises(ValueError, match=r"wq \(K, N\), ws \(N,\) with matching K and N"):
+        quant_gemm(np.ones((2, 5), np.float32), wq, ws)
+    with pytest.raises(ValueError, match="expected x"):
+        quant_gemm(np.ones((2, 4), np.float32), wq[0], ws)

@@ -67,11 +67,17 @@ def _maximum(a, b, dtype, pick=tirx.max):
         tirx.Or(isnan(u), isnan(v)), u + v, pick(u, v))))  # NaN + anything is NaN
 
 
-def _round(x, dtype):
+def round_half_even(x, dtype: str = "float32"):
     """np.round (half to even, the sign of a zero kept) from floor: TVM 0.27 miscompiles
     ``nearbyint`` bound by a statement let inside a vectorized loop (every lane gets the last
     lane's value; docs/TVM-NOTES.md), and floor vectorizes.  ``v - floor(v)`` is exact, so is
-    the parity test of floor(v) below 2**24 (above it every float is an even integer)."""
+    the parity test of floor(v) below 2**24 (above it every float is an even integer).
+
+    Examples
+    --------
+    >>> "floor" in str(round_half_even(tirx.Var("v", "float32")))
+    True
+    """
     if dtype != "float32":
         return tirx.nearbyint(x)
     half, one, two = const(0.5, dtype), const(1, dtype), const(2, dtype)
@@ -118,7 +124,7 @@ FUNCS: dict[str, Callable] = {
     "expm1": lambda a, dt, exp: exp(a[0]) - const(1, dt),
     "floor": lambda a, dt, exp: tirx.floor(a[0]),
     "ceiling": lambda a, dt, exp: tirx.ceil(a[0]),
-    "Round": lambda a, dt, exp: _round(a[0], dt),  # half to even, as numpy
+    "Round": lambda a, dt, exp: round_half_even(a[0], dt),  # half to even, as numpy
     "sign": lambda a, dt, exp: _sign(a[0], dt),
     "Maximum": lambda a, dt, exp: _maximum(a[0], a[1], dt),
     "Minimum": lambda a, dt, exp: _maximum(a[0], a[1], dt, tirx.min),
