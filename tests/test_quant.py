@@ -78,7 +78,7 @@ def _run(func, name: str, arrays: list[np.ndarray], target=None):
     ex[name](*(from_numpy(a) for a in arrays))
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(7, 37, 70), (12, 130, 128), (1, 1, 1)])
+@pytest.mark.parametrize(("m", "k", "n"), [(7, 37, 70), (12, 130, 128), (5, 1100, 40), (1, 1, 1)])
 def test_int8_gemm_is_exact(m, k, n):
     """Every int8 pair, the extremes included (-128 * -128 summed K times), equals numpy's
     int32 product; m, k, n off the block sizes exercise the row, K and column tails."""
@@ -118,7 +118,7 @@ def numpy_quant_gemm(x: np.ndarray, wq: np.ndarray, ws: np.ndarray) -> np.ndarra
         return acc * a / np.float32(127) * ws
 
 
-@pytest.mark.parametrize(("rows", "k", "n"), [((13,), 100, 70), ((2, 3), 64, 128)])
+@pytest.mark.parametrize(("rows", "k", "n"), [((13,), 100, 70), ((2, 3), 1030, 128)])
 def test_quant_gemm_is_bit_identical_to_numpy(rows, k, n):
     rng = np.random.default_rng(k + n)
     x = (rng.standard_normal(rows + (k,)) * 3).astype(np.float32)

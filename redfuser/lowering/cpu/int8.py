@@ -33,6 +33,7 @@ QMAX = 127  # the quantized range [-127, 127] (symmetric: -128 is never produced
 INF_BITS = 0x7F800000  # float32 bits of +inf; |x| bits above it are NaN
 WORD = 32  # bits of an accumulator lane
 ROW_LANES = 16  # lanes of the per-row passes (amax, quantize, column sums)
+KC = 512  # k values per K block: U's block (m x KC) in L2, a panel's slice in L1
 PACK_GROUPS = 32  # groups of W rows packed by one task: 64-128 rows, 256-512 KB
 COLSUM_CHUNK = 1024  # columns summed by one task: 4 KB of int32 sums stay in L1
 I8, U8 = "int8", "uint8"
@@ -170,21 +171,27 @@ def _pack_word(isa: DotIsa, w, packed, at, k: int, n: int, checked: bool):
 
 
 class _Gemm:
-    """acc[rows, cols] = U[rows, :] @ W in mr x nr register blocks, column panels in
-    parallel; ``epilogue(row, col, acc)`` stores one result (a vector of ``lanes`` columns,
-    or one column in the tail)."""
+    """acc[rows, cols] = U[rows, :] @ W in mr x nr register blocks, BLIS-like: K in blocks
+    of KC values (outermost: the block of U, m x KC, stays in L2 while every panel passes
+    over it, and a panel's KC x nr slice in L1 while every strip of rows does), column panels
+    in parallel, the running sums kept in ``partial`` between K blocks;
+    ``epilogue(row, col, acc)`` stores one result (``lanes`` columns, or one in the tail)."""
 
-    def __init__(self, isa: DotIsa, u, packed, m: int, k: int, n: int):
-        self.isa, self.u, self.packed, self.m, self.n = isa, u, packed, m, n
+    def __init__(self, isa: DotIsa, bufs: tuple, m: int, k: int, n: int):
+        self.isa, (self.u, self.packed, self.partial), self.m, self.n = isa, bufs, m, n
         self.groups = _round_up(k, isa.group) // isa.group
+        self.block = KC // isa.group  # groups per K block
 
     def run(self, epilogue):
-        panels, strips = _round_up(self.n, self.isa.nr) // self.isa.nr, -(-self.m // self.isa.mr)
-        with T.parallel(0, panels) as p:
-            with T.serial(0, strips) as s:
-                self._micro(p, s, epilogue)
+        isa = self.isa
+        panels, strips = _round_up(self.n, isa.nr) // isa.nr, -(-self.m // isa.mr)
+        blocks = -(-self.groups // self.block)
+        with T.serial(0, blocks) as kb:
+            with T.parallel(0, panels) as p:
+                with T.serial(0, strips) as s:
+                    self._micro(p, s, kb, blocks, epilogue)
 
-    def _micro(self, p, s, epilogue):
+    def _micro(self, p, s, kb, blocks: int, epilogue):
         isa = self.isa
         lanes, vectors = isa.lanes, isa.nr // isa.lanes
         acc = T.alloc_buffer((isa.mr, isa.nr), I32, scope="local")
@@ -192,11 +199,20 @@ class _Gemm:
         def row(i):
             return tirx.min(s * isa.mr + i, self.m - 1)
 
-        for i in range(isa.mr):
-            for v in range(vectors):
-                T.buffer_store(acc, tirx.Broadcast(tirx.const(0, I32), lanes),
-                               [i, _ramp(v * lanes, lanes)])
-        with T.serial(0, self.groups) as kg:
+        def each(body):
+            for i in range(isa.mr):
+                for v in range(vectors):
+                    body(i, [i, _ramp(v * lanes, lanes)],
+                         [row(i), _ramp(p * isa.nr + v * lanes, lanes)])
+
+        with T.If(kb == 0):
+            with T.Then():
+                each(lambda i, at, sums: T.buffer_store(
+                    acc, tirx.Broadcast(tirx.const(0, I32), lanes), at))
+            with T.Else():
+                each(lambda i, at, sums: T.buffer_store(acc, self.partial[sums[0], sums[1]], at))
+        g0 = kb * self.block
+        with T.serial(g0, tirx.min(g0 + self.block, self.groups)) as kg:
             b = [tirx.BufferLoad(self.packed, [p, kg, _ramp(v * lanes, lanes)])
                  for v in range(vectors)]
             for i in range(isa.mr):
@@ -205,8 +221,12 @@ class _Gemm:
                 for v in range(vectors):
                     at = [i, _ramp(v * lanes, lanes)]
                     T.buffer_store(acc, isa.dot(acc[at[0], at[1]], word, b[v]), at)
-        for i in range(isa.mr):
-            self._store(p, row(i), i, acc, epilogue)
+        with T.If(kb == blocks - 1):
+            with T.Then():
+                for i in range(isa.mr):
+                    self._store(p, row(i), i, acc, epilogue)
+            with T.Else():
+                each(lambda i, at, sums: T.buffer_store(self.partial, acc[at[0], at[1]], sums))
 
     def _store(self, p, r, i, acc, epilogue):
         isa, col0 = self.isa, p * self.isa.nr
@@ -242,7 +262,7 @@ def scratch_shapes(isa: DotIsa, m: int, k: int, n: int) -> dict[str, tuple[tuple
     """
     groups, panels = _round_up(k, isa.group) // isa.group, _round_up(n, isa.nr) // isa.nr
     return {"u": ((m, groups * isa.group), isa.a_dtype), "packed": ((panels, groups, isa.nr), I32),
-            "colsum": ((n,), I32), "amax": ((m,), F32)}
+            "partial": ((m, panels * isa.nr), I32), "colsum": ((n,), I32), "amax": ((m,), F32)}
 
 
 def _workspaces(isa: DotIsa, m: int, k: int, n: int):
@@ -272,14 +292,14 @@ def int8_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "int8_gemm"):
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
             q, w = arg_buffer("q", (m, k), I8), arg_buffer("w", (k, n), I8)
             y = arg_buffer("y", (m, n), I32)
-            u, packed, colsum, _ = _workspaces(isa, m, k, n)
+            u, packed, partial, colsum, _ = _workspaces(isa, m, k, n)
             _pack_weights(isa, w, packed, colsum, k, n)
             with T.parallel(0, m) as r:
                 with T.serial(0, u.shape[1]) as kk:
                     inside = tirx.Cast(I32, q[r, tirx.min(kk, k - 1)]) + isa.offset
                     value = tirx.Select(kk < k, inside, tirx.const(0, I32))
                     T.buffer_store(u, tirx.Cast(isa.a_dtype, value), [r, kk])
-            _Gemm(isa, u, packed, m, k, n).run(lambda r, col, acc: T.buffer_store(
+            _Gemm(isa, (u, packed, partial), m, k, n).run(lambda r, col, acc: T.buffer_store(
                 y, _exact(isa, colsum, col, acc), [r, col]))
     return ib.get()
 
@@ -302,11 +322,11 @@ def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm"):
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
             x, w = arg_buffer("x", (m, k), F32), arg_buffer("wq", (k, n), I8)
             ws, y = arg_buffer("ws", (n,), F32), arg_buffer("y", (m, n), F32)
-            u, packed, colsum, amax = _workspaces(isa, m, k, n)
+            u, packed, partial, colsum, amax = _workspaces(isa, m, k, n)
             _pack_weights(isa, w, packed, colsum, k, n)
             with T.parallel(0, m) as r:
                 _quantize_row(isa, x, u, amax, r, k)
-            _Gemm(isa, u, packed, m, k, n).run(_scaled(isa, y, colsum, amax, ws))
+            _Gemm(isa, (u, packed, partial), m, k, n).run(_scaled(isa, y, colsum, amax, ws))
     return ib.get()
 
 
