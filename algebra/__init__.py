@@ -10,6 +10,7 @@ from .pipeline import derive
 from .reference import reference
 from .rule import FusionRule
 from .spec import parse
+from .stages import Stage, StagedRule
 
-__all__ = ["LIBRARY", "Cascade", "FusionRule", "NotFusable", "SpecError", "derive", "parse",
-           "reference"]
+__all__ = ["LIBRARY", "Cascade", "FusionRule", "NotFusable", "SpecError", "Stage", "StagedRule",
+           "derive", "parse", "reference"]

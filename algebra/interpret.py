@@ -54,7 +54,7 @@ def _empty(rule, lay: Layout, params: dict, tree) -> dict[str, np.ndarray]:
     feature axis where a result carries it."""
     if tree is not None:
         raise ValueError(f"tree {tree!r} merges chunks, but an empty stream (N = 0) has none")
-    vector = vector_results(rule.cascade, lay.vector)
+    vector = vector_results(rule.cascade, lay.vector | rule.cascade.vector_inputs)
     return {k: np.broadcast_to(v, lay.rows + (1, (lay.d or 1) if k in vector else 1))
             for k, v in rule.finalize_empty(params, lay.dtype).items()}
 
@@ -67,26 +67,49 @@ def _params(rule, lay: Layout) -> dict:
 
 def run(rule, inputs: dict, chunks=None, tree=None) -> dict[str, np.ndarray]:
     lay = resolve(rule.cascade, inputs)
-    dt, params = lay.dtype, _params(rule, lay)
+    with np.errstate(all="ignore"):  # inf - inf and 0 * inf are handled by the laws, not here
+        final = fold(rule, lay, _params(rule, lay), chunks, tree)
+    return to_user(rule.cascade, lay, final)
+
+
+def run_staged(staged, inputs: dict, plans) -> dict[str, np.ndarray]:
+    """``StagedRule.evaluate``: each stage folded by ``fold`` in turn (its (chunks, tree) from
+    ``plans``), reading the earlier stages' final values as per-row parameters."""
+    lay = resolve(staged.cascade, inputs)
+    params = {p.name: lay.arrays[p.name] for p in staged.cascade.params}
+    params[LENGTH] = lay.dtype.type(lay.n)
+    final: dict[str, np.ndarray] = {}
+    with np.errstate(all="ignore"):
+        for stage, (chunks, tree) in zip(staged.stages, plans, strict=True):
+            out = fold(stage.rule, lay, params, chunks, tree)
+            final.update(out)
+            params.update({k: out[k] for k in stage.results})
+    return to_user(staged.cascade, lay, final)
+
+
+def fold(rule, lay: Layout, params: dict, chunks=None, tree=None) -> dict[str, np.ndarray]:
+    """The rule's final values in the layout's (*rows, L, F) arrays: one pass per chunk from
+    ``init``, the chunk states merged along ``tree``, then finalize and the per-element
+    outputs (``params``: the per-row values by name, N included)."""
+    dt = lay.dtype
     streams = [s.name for s in rule.cascade.streams]
     states = []
-    with np.errstate(all="ignore"):  # inf - inf and 0 * inf are handled by the laws, not here
-        for start, stop in _bounds(chunks, lay.n):
-            state = rule.init(lay.rows, dt)
-            for i in range(start, stop):
-                elem = {s: lay.arrays[s][..., i:i + 1, :] for s in streams}
-                elem.update(params)
-                elem[INDEX], elem[INDEX_KEY] = dt.type(i), i
-                state = rule.update(state, elem, params)
-            states.append(state)
-        final = rule.finalize(_merge_tree(rule, states, tree, params), params) if states \
-            else _empty(rule, lay, params, tree)
-        env = {**params, **{s: lay.arrays[s] for s in streams}, **final,
-               INDEX: np.arange(lay.n, dtype=dt).reshape(lay.n, 1)}
-        for comp in rule.components:
-            if isinstance(comp, SelectComponent) and comp.reselects:
-                name = comp.reduction.name
-                final[name] = env[name] = comp.reselect(env, final[name], lay.n, dt)
-        for name, expr in rule.cascade.elementwise.items():
-            final[name] = compile_expr(expr)(env, dt)
-    return to_user(rule.cascade, lay, final)
+    for start, stop in _bounds(chunks, lay.n):
+        state = rule.init(lay.rows, dt)
+        for i in range(start, stop):
+            elem = {s: lay.arrays[s][..., i:i + 1, :] for s in streams}
+            elem.update(params)
+            elem[INDEX], elem[INDEX_KEY] = dt.type(i), i
+            state = rule.update(state, elem, params)
+        states.append(state)
+    final = rule.finalize(_merge_tree(rule, states, tree, params), params) if states \
+        else _empty(rule, lay, params, tree)
+    env = {**params, **{s: lay.arrays[s] for s in streams}, **final,
+           INDEX: np.arange(lay.n, dtype=dt).reshape(lay.n, 1)}
+    for comp in rule.components:
+        if isinstance(comp, SelectComponent) and comp.reselects:
+            name = comp.reduction.name
+            final[name] = env[name] = comp.reselect(env, final[name], lay.n, dt)
+    for name, expr in rule.cascade.elementwise.items():
+        final[name] = compile_expr(expr)(env, dt)
+    return final

@@ -54,7 +54,19 @@ LIBRARY: dict[str, tuple[str, str]] = {
     "l2_normalize": ("r = sqrt(sum(x[i]**2))\ny[i] = x[i] / r", "divide by the L2 norm"),
     "geometric_mean": ("m = max(x[i])\ng = prod(exp((x[i] - m) / N)) * exp(m)",
                        "geometric mean of exp(x) with the max factored out of the product"),
+    # row-resident cascades: no one-pass rule exists, so they are derived in stages
+    "mad": ("mu = sum(x[i]) / N\nmad = sum(abs(x[i] - mu)) / N",
+            "mean absolute deviation (two passes: |x - mu| has a kink at the running mean)"),
+    "relu_sum": ("m = max(x[i])\ns = sum(relu(x[i] - m + t))",
+                 "how far the elements within t of the max reach above max - t (two passes: "
+                 "the kink of relu moves with the running max)"),
+    "threshold_mass": (_SOFTMAX + "mass = sum(where(exp(x[i] - m) / d >= t, exp(x[i] - m), 0))"
+                                  " / d",
+                       "softmax mass of the tokens of probability >= t (what min-p / "
+                       "threshold sampling keeps; the exact top-p set needs a sort): two "
+                       "passes, the threshold moves with the running max and denominator"),
 }
+STAGED = frozenset({"mad", "relu_sum", "threshold_mass"})  # derived with passes="auto"
 
 
 def resolve_spec(spec: str) -> str:
@@ -115,5 +127,7 @@ def example_inputs(name: str, n: int = 64, rows: tuple = (4,), d: int = 16, seed
                                   if n else np.zeros((*rows, 0), np.float32)},
         "softmax_entropy": lambda: {"T": 0.7},
         "softmin_average": lambda: {"v": normal(*rows, n, d)},
+        "relu_sum": lambda: {"t": 1.0},
+        "threshold_mass": lambda: {"t": 0.5 / max(n, 1)},
     }
     return {"x": normal(*rows, n), **extra.get(name, dict)()}

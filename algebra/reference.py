@@ -41,8 +41,12 @@ def _reduce(op: str, v: np.ndarray, k: int | None) -> np.ndarray:
         np.take_along_axis(index, order, axis=-2).astype(np.int64)
 
 
-def reference(spec: str | Cascade, inputs: dict) -> dict[str, np.ndarray]:
+def reference(spec, inputs: dict) -> dict[str, np.ndarray]:
     """Evaluate a cascade the plain multi-pass way in float64 (the test oracle).
+
+    ``spec``: spec text, a library name, a ``Cascade`` or a rule (one-pass or staged: its
+    cascade).  Every reduction is its own full pass, so a staged rule's oracle is the same
+    as its one-pass rule's would be: the stages are the fused side's business.
 
     Examples
     --------
@@ -51,6 +55,7 @@ def reference(spec: str | Cascade, inputs: dict) -> dict[str, np.ndarray]:
     array([1.33333333])
     """
 
+    spec = getattr(spec, "cascade", spec)  # a FusionRule or StagedRule: its cascade
     cascade = spec if isinstance(spec, Cascade) else parse(resolve_spec(spec))
     lay = resolve(cascade, inputs, dtype=F64)
     env = {**lay.arrays, LENGTH: F64.type(lay.n),

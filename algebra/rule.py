@@ -230,8 +230,9 @@ class FusionRule:
         identities, epilogues = empty_results(self.cascade)
         env = {**params, **{k: dt.type(v) for k, v in identities.items()}}
         out = {k: np.asarray(env[k]).reshape(1, 1) for k in identities}
-        for name, expr in epilogues.items():
-            out[name] = np.asarray(compile_expr(expr)(env, dt)).reshape(1, 1)
+        for name, expr in epilogues.items():  # per-row when it reads per-row parameters
+            value = np.asarray(compile_expr(expr)(env, dt))
+            out[name] = value if value.ndim >= 2 else value.reshape(1, 1)
         return {k: v for k, v in out.items() if k in self.running}
 
     def evaluate(self, inputs: dict, chunks=None, tree=None) -> dict[str, np.ndarray]:

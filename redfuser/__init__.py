@@ -25,10 +25,10 @@ on first use so that deriving rules does not pay for loading TVM.
 True
 """
 
-from algebra import LIBRARY, FusionRule, NotFusable, SpecError, derive, reference
+from algebra import LIBRARY, FusionRule, NotFusable, SpecError, StagedRule, derive, reference
 
-__all__ = ["LIBRARY", "FuseReport", "FusionRule", "Kernel", "NotFusable", "SpecError", "compile",
-           "derive", "fuse", "lift", "reference"]
+__all__ = ["LIBRARY", "FuseReport", "FusionRule", "Kernel", "NotFusable", "SpecError",
+           "StagedRule", "compile", "derive", "fuse", "lift", "reference"]
 
 
 def __getattr__(name: str):

@@ -23,9 +23,10 @@ from numbers import Number
 
 import numpy as np
 
-from algebra import FusionRule, derive
+from algebra import FusionRule, StagedRule, derive
 from algebra.cascade import LENGTH
 from algebra.layout import resolve
+from algebra.stages import StagedLowering
 
 from .call import (
     CallPlan,
@@ -50,8 +51,13 @@ TUNE_MODES = (None, True, False, "model")
 MAX_CACHED = 32
 
 
-def compile(rule_or_spec: FusionRule | str, target: str = "cpu", **options) -> Kernel:  # noqa: A001
+def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  # noqa: A001
+            **options) -> Kernel:
     """Compile a fusion rule (or a spec / library name) into a TVM kernel.
+
+    A staged rule (``derive(..., passes="auto")``, or a library cascade that needs stages)
+    becomes ONE kernel that runs its stages as consecutive passes over each row while the
+    row is in cache (variant "resident"; ``kernel.plan`` says whether the row fits).
 
     Options: ``variant`` ("rolling", "split", "unfused"; default: chosen per shape by
     the target's policy), ``splits``, ``fast_math`` (polynomial exp; default True),
@@ -77,8 +83,9 @@ def compile(rule_or_spec: FusionRule | str, target: str = "cpu", **options) -> K
     >>> np.round(out["y"], 4)
     array([[0.09  , 0.2447, 0.6652]], dtype=float32)
     """
-    rule = rule_or_spec if isinstance(rule_or_spec, FusionRule) else derive(rule_or_spec)
-    return Kernel(rule, target, **options)
+    rule = rule_or_spec if isinstance(rule_or_spec, (FusionRule, StagedRule)) else \
+        derive(rule_or_spec)
+    return Kernel(rule.lowered() if isinstance(rule, StagedRule) else rule, target, **options)
 
 
 def _check_options(variant, splits, fast_math, threads, tune, plan) -> None:
@@ -162,7 +169,8 @@ class Kernel:
         caller pinned variant/splits/threads or said ``tune=False``; else the
         hand-written policy's."""
         pinned = any(self.options[k] is not None for k in ("variant", "splits", "threads"))
-        if self.tune is not False and not pinned:
+        staged = isinstance(self.rule, StagedLowering)  # the tuner searches one-pass plans
+        if self.tune is not False and not pinned and not staged:
             fast_math = self.options["fast_math"]
             plan = tuned_plan(self.rule, geo, self.target, fast_math, search=self.tune is True,
                               measure=self.time_plan)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import redfuser
+from algebra.library import STAGED
 
 _COMMON = dict(
     deadline=None,
@@ -40,6 +41,16 @@ settings.register_profile("dev", **_COMMON)
 settings.register_profile("thorough", **{**_COMMON, "max_examples": 400})  # local bug hunts
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else
                                      "dev"))
+
+
+ONE_PASS_VARIANTS = ("rolling", "split", "unfused")
+STAGED_VARIANTS = ("resident", "unfused")  # a staged rule: its stages per row, or per kernel
+
+
+def kernel_variants(spec: str) -> tuple[str, ...]:
+    """The kernel variants of a spec's rule: a staged rule has no one-pass variants."""
+    staged = spec in STAGED or isinstance(rule_for(spec), redfuser.StagedRule)
+    return STAGED_VARIANTS if staged else ONE_PASS_VARIANTS
 
 
 def examples(factor: float) -> int:

@@ -7,6 +7,7 @@ plus the polynomial exp's 1-ulp error); NaN must appear exactly where the refere
 
 import numpy as np
 import pytest
+from conftest import kernel_variants
 
 import redfuser
 from redfuser.lowering.cpu.plan import PARALLEL_MIN_WORK
@@ -32,6 +33,8 @@ def library_inputs(name: str, n: int = 77, rows=(5,)) -> dict:
         "cross_entropy": dict(t=np.eye(n, dtype=np.float32)[rng.integers(0, n, rows)]),
         "softmax_entropy": dict(T=0.7),
         "softmin_average": dict(v=rng.normal(size=(*rows, n, 4)).astype(np.float32)),
+        "relu_sum": dict(t=1.0),
+        "threshold_mass": dict(t=0.5 / n),
     }
     if name == "attention":
         return dict(q=rng.normal(size=(2, 3, 8)).astype(np.float32),
@@ -53,8 +56,8 @@ def assert_matches(out: dict, ref: dict):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-5, equal_nan=True, err_msg=k)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("name", list(redfuser.LIBRARY))
+@pytest.mark.parametrize("name, variant", [(name, v) for name in redfuser.LIBRARY
+                                           for v in kernel_variants(name)])
 def test_library_kernels_match_the_oracle(name, variant):
     inputs = library_inputs(name)
     kernel = redfuser.compile(name, variant=variant)

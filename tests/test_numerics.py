@@ -21,7 +21,16 @@ import functools
 import numpy as np
 import pytest
 import torch
-from conftest import EPS32, F32, assert_matches, examples, rule_for, schedules, values
+from conftest import (
+    EPS32,
+    F32,
+    assert_matches,
+    examples,
+    kernel_variants,
+    rule_for,
+    schedules,
+    values,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -45,7 +54,7 @@ def kernel(spec: str, variant: str):
 def every_path(spec: str, inputs: dict, chunks=None, tree=None) -> dict[str, dict]:
     """Outputs of evaluate and of each kernel variant, by path name."""
     out = {"evaluate": rule_for(spec).evaluate(inputs, chunks=chunks, tree=tree)}
-    out.update({v: kernel(spec, v)(**inputs) for v in VARIANTS})
+    out.update({v: kernel(spec, v)(**inputs) for v in kernel_variants(spec)})
     return out
 
 

@@ -293,6 +293,8 @@ def library_inputs(name: str, rng: np.random.Generator, rows: tuple, n: int, d: 
         return {"x": f(*rows, n), "T": 1.5}
     if name == "softmin_average":
         return {"x": f(*rows, n), "v": f(*rows, n, d)}
+    if name in ("relu_sum", "threshold_mass"):  # a threshold that selects some elements
+        return {"x": f(*rows, n), "t": 1.0 if name == "relu_sum" else 0.5 / max(n, 1)}
     return {"x": f(*rows, n)}
 
 

@@ -10,12 +10,15 @@ expressions translated by ``texpr`` and vectorizable math from ``fastmath``.
 from __future__ import annotations
 
 from algebra.rule import FusionRule
+from algebra.stages import StagedLowering
 
 from .backends import BACKENDS, Backend, backend
 from .geometry import Geometry, InputGeom, geometry, shape_geometry
 from .plan import VARIANTS, Plan
 from .primfunc import FUNC_NAME, build_primfunc
 from .signature import Arg, Signature, signature
+from .staged import RESIDENT
+from .staged import choose as staged_choose
 
 __all__ = ["BACKENDS", "FUNC_NAME", "VARIANTS", "Arg", "Backend", "Geometry", "InputGeom",
            "Plan", "Signature", "backend", "build_primfunc", "choose", "geometry",
@@ -35,4 +38,9 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     >>> choose(rule, shape_geometry(rule, {"x": (64, 1024)}), threads=2).variant
     'rolling'
     """
+    if isinstance(rule, StagedLowering):  # a staged rule: its stages in one kernel
+        return staged_choose(rule, geo, variant, splits, threads, fast_math, target)
+    if variant == RESIDENT:
+        raise ValueError(f"variant '{RESIDENT}' runs the stages of a staged rule (derive(..., "
+                         "passes='auto')); this rule has one pass")
     return backend(target).choose(rule, geo, variant, splits, threads, fast_math)

@@ -29,11 +29,14 @@ class Backend:
     choose: Callable[..., Plan]
     variants: Mapping[str, Callable]
     host_memory: bool  # outputs are written where the caller's arrays live (no copy back)
+    resident_fit: Callable[..., str]  # where a staged rule's row stays between its passes
 
 
 BACKENDS: dict[str, Backend] = {
-    "cpu": Backend("cpu", cpu_target, cpu_plan.choose, cpu_variants.VARIANTS, True),
-    "cuda": Backend("cuda", cuda_target, cuda_plan.choose, cuda_variants.VARIANTS, False),
+    "cpu": Backend("cpu", cpu_target, cpu_plan.choose, cpu_variants.VARIANTS, True,
+                   cpu_plan.resident_fit),
+    "cuda": Backend("cuda", cuda_target, cuda_plan.choose, cuda_variants.VARIANTS, False,
+                    cuda_plan.resident_fit),
 }
 
 

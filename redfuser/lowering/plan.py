@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-VARIANTS = ("rolling", "split", "unfused")
+VARIANTS = ("rolling", "split", "unfused")  # of a one-pass rule (what the tuner searches)
+STAGED_VARIANT = "resident"  # a staged rule's stages over each row (``lowering.staged``)
 
 
 @dataclass(frozen=True)
@@ -52,5 +53,6 @@ class Plan:
 
 def check_variant(variant: str | None) -> None:
     """Refuse a variant name no target builds (None: the target's policy picks)."""
-    if variant is not None and variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, not {variant!r}")
+    if variant is not None and variant not in (*VARIANTS, STAGED_VARIANT):
+        raise ValueError(f"variant must be one of {(*VARIANTS, STAGED_VARIANT)}, not "
+                         f"{variant!r}")

@@ -51,6 +51,10 @@ MIN_SPLIT_ELEMENTS = 2048  # below this per split, combining costs more than it 
 # the workers wait for a core (softmax 1 x 256: 0.7 us of kernel; 16 x 1024 with two busy
 # cores: 840 us parallel, 19 us serial).  torch's intra-op grain size is the same 32768.
 PARALLEL_MIN_WORK = 32768
+# The cache a staged rule's row stays in between its passes (``resident``): one core's L2
+# (1 MB on this Zen 5; L1, 48 KB, holds only rows of up to 12K floats).
+RESIDENT_CACHE_BYTES = 1 << 20
+F32_BYTES = 4
 # The GEMM micro-kernel and its cache blocks (``gemm.py``): name -> (value, why).  The
 # machine: AMD EPYC Zen 5, two 512-bit FMA pipes (4-cycle latency), 32 zmm registers,
 # 48 KB L1d and 1 MB L2 per core.
@@ -112,6 +116,20 @@ def stash_applies(rule: FusionRule, geo: Geometry, plan: Plan) -> bool:
     step = plan.lanes * plan.tile
     return (bool(rule.stashes) and plan.variant == "rolling" and plan.row_block == 1 and
             plan.lanes > 1 and plan.tile > 1 and geo.n // step == 1 and lane_aligned(rule))
+
+
+def resident_fit(rule, geo: Geometry) -> str:
+    """Whether a staged rule's row stays in the L2 (``RESIDENT_CACHE_BYTES``) between its
+    passes, in words: a thread folds one row at a time, and what the passes after the first
+    re-read is that row's share of their streams."""
+    later = {s.name for st in rule.staged.stages[1:] for s in st.rule.cascade.streams}
+    size = sum(geo.n * geo.inputs[k].width * F32_BYTES for k in sorted(later))
+    cache = RESIDENT_CACHE_BYTES
+    if size <= cache:
+        return (f"a row's {size / 1024:.1f} KB stay in the {cache >> 20} MB L2 between the "
+                "passes: DRAM sees each row once")
+    return (f"a row's {size / 2**20:.1f} MB do not fit the {cache >> 20} MB L2: the later "
+            "passes re-read it from L3 or DRAM (one launch, per-row results stay in the core)")
 
 
 def one_thread(geo: Geometry) -> bool:

@@ -5,6 +5,9 @@
   row the pieces are merged (flash-decoding).
 - unfused: one rolling loop nest per reduction (each reading the final values of
   the earlier ones), the baseline that shows what fusion buys.
+- resident: a staged rule (``algebra.stages``): rows in parallel; per row, each stage's
+  one-pass fold in turn (each reading the earlier stages' finals), then the per-element
+  outputs, so the later passes find the row in cache (``lowering.staged``).
 
 A rolling nest (fused, or one unfused stage) whose rule holds matrix products runs as a
 blocked GEMM (``gemm.py``) when its plan says so (``plan.mr``).
@@ -22,7 +25,7 @@ from ..nests import copy_state, epilogue_values, stages, store_results, workspac
 from ..plan import Plan
 from ..products import products
 from ..registers import Const0, States
-from ..signature import I64
+from ..signature import I64, result_dtype, result_width
 from . import gemm, tiles
 from .plan import (
     LANES,
@@ -30,6 +33,7 @@ from .plan import (
     lane_aligned,
     rows_loop,
     stash_applies,
+    tile_for,
     vector_lanes,
 )
 
@@ -154,4 +158,30 @@ def unfused(rule, geo, plan, bufs, results, elementwise):
         em.elementwise(r, elementwise)
 
 
-VARIANTS = {"rolling": rolling, "split": split, "unfused": unfused}
+def resident(rule, geo, plan, bufs, results, elementwise):
+    """Every stage of a staged rule over one row before the next row: each stage folds in
+    its own lanes and tiles, its results go to per-row buffers (the user's outputs, or
+    scratch for what only later stages read) that the later stages read as parameters."""
+    scores, rowvals, passes = rule_scores(rule), {}, []
+    for stage in rule.staged.stages:
+        mine = {}
+        for name in stage.results:
+            width = result_width(rule, geo, name)
+            mine[name] = results.get(name) or (T.alloc_buffer(
+                (geo.r, width), result_dtype(rule, name)), width)
+        lanes = vector_lanes(stage.rule, geo)
+        own = dataclasses.replace(plan, lanes=lanes, tile=tile_for(stage.rule, lanes, geo.n))
+        passes.append((_emitter(stage.rule, geo, own, bufs, {**rowvals, **mine}, scores), mine))
+        rowvals.update(mine)
+    with rows_loop(geo)(0, geo.r) as r:
+        for em, mine in passes:
+            st = em.states(2 * em.plan.lanes)
+            for lane in range(em.plan.lanes):
+                st.init(lane)
+            _fold(em, st, r, tirx.const(0, I64), tirx.const(geo.n, I64), em.plan.lanes,
+                  em.plan.tile)
+            em.finalize(st, r, mine)
+        passes[-1][0].elementwise(r, elementwise)
+
+
+VARIANTS = {"rolling": rolling, "split": split, "unfused": unfused, "resident": resident}

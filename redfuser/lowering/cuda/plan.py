@@ -25,6 +25,25 @@ def threads_for(rule: FusionRule, geo: Geometry, limit: int = MAX_THREADS) -> in
     return threads
 
 
+def row_in_shared(rule, geo: Geometry) -> tuple[str, ...]:
+    """The streams a staged rule's block copies to shared memory: every stream its stages
+    read, when one row of them and the threads' states fit ``SHARED_BYTES`` (else none:
+    the stages re-read the row from global memory, through L1/L2)."""
+    names = tuple(sorted({s.name for st in rule.staged.stages for s in st.rule.cascade.streams}))
+    row = sum(geo.n * geo.inputs[k].width * WORD_BYTES for k in names)
+    state = threads_for(rule, geo) * sum(register_width(rule, geo, s) for s in rule.state)
+    return names if row + state * WORD_BYTES <= SHARED_BYTES else ()
+
+
+def resident_fit(rule, geo: Geometry) -> str:
+    """Where a staged rule's block keeps its row between the passes, in words."""
+    if row_in_shared(rule, geo):
+        return (f"the row is copied to shared memory ({SHARED_BYTES >> 10} KB a block) and "
+                "every pass reads it there: DRAM sees each row once")
+    return (f"a row does not fit the {SHARED_BYTES >> 10} KB of shared memory: the passes "
+            "re-read it from global memory (through L1/L2)")
+
+
 def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
            splits: int | None = None, threads: int | None = None,
            fast_math: bool = True) -> Plan:

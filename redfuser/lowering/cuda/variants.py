@@ -3,7 +3,8 @@
 Each thread folds a strided share of the stream into its own slot of a shared-memory
 state array; the slots are combined by a tree of the derived merge (the same merge
 that combines CPU lanes and split pieces); thread 0 finalizes; then every thread
-writes its share of the per-element outputs.
+writes its share of the per-element outputs.  A staged rule's block (``resident``) first
+copies its row into shared memory when it fits, then runs every stage over that copy.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import dataclasses
 
 from ...tvm_adapter import T, cuda_rounded, tirx
 from ..emitter import Emitter
+from ..geometry import InputGeom
 from ..invariants import rule_scores
 from ..nests import copy_state, epilogue_values, stages, store_results, workspace
 from ..registers import States
+from ..signature import F32, result_dtype, result_width
+from .plan import row_in_shared
 
 
 def _sync():
@@ -136,4 +140,52 @@ def unfused(rule, geo, plan, bufs, results, elementwise):
             em.elementwise(r, elementwise, t, plan.threads)
 
 
-VARIANTS = {"rolling": rolling, "split": split, "unfused": unfused}
+def _row_copy(em: Emitter, names, t, r, threads: int):
+    """The row's streams ``names`` copied into shared memory by every thread (a strided
+    share each; ``em`` reads the inputs where they live); returns the geometry and buffers
+    that read them there: a copy holds one row, an input shared by every row (row 0)."""
+    geo, shared, inputs = em.geo, {}, dict(em.geo.inputs)
+    for name in names:
+        g = geo.inputs[name]
+        buf = T.alloc_buffer((1, geo.n, g.width), F32, scope="shared")
+        with T.serial(0, tirx.ceildiv(tirx.max(geo.n - t, 0), threads)) as c:
+            i = t + c * threads
+            with T.serial(0, g.width) as w:
+                T.buffer_store(buf, em.bufs[name][em.row_of(name, r), i, w], [0, i, w])
+        shared[name] = buf
+        inputs[name] = InputGeom((1,) * len(geo.rows), g.length, g.width)
+    _sync()
+    return dataclasses.replace(geo, inputs=inputs), {**em.bufs, **shared}
+
+
+def resident(rule, geo, plan, bufs, results, elementwise):
+    """One block per row runs every stage of a staged rule: the row's streams go to shared
+    memory first when they fit (``plan.row_in_shared``), each stage's threads fold it and
+    merge by the tree, thread 0 writes the stage's per-row results (global scratch for what
+    only later stages read), then the threads write the per-element outputs."""
+    scores, tmp = rule_scores(rule), {}
+    for stage in rule.staged.stages:
+        for name in stage.results:
+            width = result_width(rule, geo, name)
+            tmp[name] = results.get(name) or (T.alloc_buffer(
+                (geo.r, width), result_dtype(rule, name)), width)
+    names = row_in_shared(rule, geo)
+    with T.launch_thread("blockIdx.x", geo.r) as r:
+        with T.launch_thread("threadIdx.x", plan.threads) as t:
+            first = _emitter(rule.staged.stages[0].rule, geo, plan, bufs, {}, scores)
+            here, reads = _row_copy(first, names, t, r, plan.threads)
+            zero, rowvals, em = tirx.const(0, "int32"), {}, None
+            for stage in rule.staged.stages:
+                mine = {name: tmp[name] for name in stage.results}
+                em = _emitter(stage.rule, here, plan, reads, {**rowvals, **mine}, scores)
+                st = _gather(em, t, r, plan.threads,
+                             lambda own, em=em: _fold(em, own, t, r, zero, geo.n, plan.threads))
+                with T.If(t == 0):
+                    with T.Then():
+                        em.finalize(st, r, mine)
+                _sync()
+                rowvals.update(mine)
+            em.elementwise(r, elementwise, t, plan.threads)
+
+
+VARIANTS = {"rolling": rolling, "split": split, "unfused": unfused, "resident": resident}

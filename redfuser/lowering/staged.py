@@ -1,0 +1,53 @@
+"""Row-resident plans of staged rules (``algebra.stages``): the stages run as consecutive
+passes over each row inside one kernel, so a row is read from DRAM once and re-read from the
+cache by the later passes, as long as it fits there.
+
+The plan starts from the target's own (lanes and tiles on a CPU, threads per block on
+CUDA) and says where the row stays between the passes and whether it fits
+(``kernel.plan``), from the target's ``resident_fit``: a CPU core's L2 (``cpu/plan.py``), a
+CUDA block's shared memory (``cuda/plan.py``).  A row that does not fit still runs
+row-resident (one launch, per-row results never leave the core or block), but its later
+passes read it again from further out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from algebra.stages import StagedLowering
+
+from .backends import backend
+from .geometry import Geometry
+from .plan import STAGED_VARIANT, Plan
+
+RESIDENT = STAGED_VARIANT
+
+
+def choose(rule: StagedLowering, geo: Geometry, variant: str | None = None,
+           splits: int | None = None, threads: int | None = None, fast_math: bool = True,
+           target: str = "cpu") -> Plan:
+    """The plan of a staged rule: ``resident`` (the default: every stage over a row, then
+    the next row) or ``unfused`` (one kernel pass per reduction over all rows, the
+    baseline).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("mad").lowered()
+    >>> plan = choose(rule, shape_geometry(rule, {"x": (64, 4096)}))
+    >>> plan.variant, plan.reason.split("; ")[-1]
+    ('resident', "a row's 16.0 KB stay in the 1 MB L2 between the passes: DRAM sees each row once")
+    """
+    passes = len(rule.staged.stages)
+    if variant not in (None, RESIDENT, "unfused"):
+        raise ValueError(f"a staged rule ({passes} passes) runs as variant '{RESIDENT}' or "
+                         f"'unfused', not {variant!r}")
+    if variant == "unfused":
+        return backend(target).choose(rule, geo, variant, splits, threads, fast_math)
+    target_plan = backend(target).choose(rule, geo, "unfused", splits, threads, fast_math)
+    why = "requested" if variant else f"{passes} passes over each row in one kernel"
+    fit = backend(target).resident_fit(rule, geo)
+    return dataclasses.replace(target_plan, variant=RESIDENT, row_block=1,
+                               reason=f"{why}; {fit}")
+
