@@ -1,6 +1,8 @@
 """Per-token int8 quantization + GEMM on the CPU, exact: ``redfuser.quant_gemm(x, wq, ws)``.
 
-The cascade (``algebra.library`` names it ``quant_gemm``)::
+The cascade (``QUANT_GEMM_SPEC``; ``redfuser.derive(QUANT_GEMM_SPEC, passes="auto")`` cuts it
+into two stages, the max and the quantized sum, and ``redfuser.reference`` is its float64
+oracle)::
 
     a = max(abs(x[i]))
     y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a / 127 * ws[:]
@@ -31,6 +33,8 @@ from .tvm_adapter import (
     time_ms,
 )
 
+QUANT_GEMM_SPEC = ("a = max(abs(x[i]))\n"
+                   "y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a / 127 * ws[:]")
 FUNC_NAME = "quant_gemm"
 # argument -> (dtype, what its shape must be), checked before anything runs
 EXPECTED = {"x": (np.float32, "(*rows, K)"), "wq": (np.int8, "(K, N)"),

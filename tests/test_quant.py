@@ -20,7 +20,7 @@ from algebra.errors import SpecError
 from algebra.functions import Clip, Round, bounds
 from redfuser.lowering.cpu.int8 import ISAS, int8_gemm, isa_for, scratch_shapes
 from redfuser.lowering.cpu.int8 import quant_gemm as quant_gemm_func
-from redfuser.quant import QuantGemm, quant_gemm
+from redfuser.quant import QUANT_GEMM_SPEC, QuantGemm, quant_gemm
 from redfuser.tvm_adapter import build, cpu_target, from_numpy, host_source
 
 TIES = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5, 1e7 + 0.5, -0.49999997,
@@ -149,3 +149,22 @@ def test_quant_gemm_empty_and_errors():
         quant_gemm(np.ones((2, 5), np.float32), wq, ws)
     with pytest.raises(ValueError, match="expected x"):
         quant_gemm(np.ones((2, 4), np.float32), wq[0], ws)
+
+
+def test_quant_gemm_is_the_staged_cascade():
+    """The kernel computes the spec the engine derives in two stages: against the float64
+    oracle, the quantized values are the same (no x * 127 / a of this data sits within an
+    ulp of a .5 tie, where float32 and float64 could round apart: asserted first), and y
+    differs by the float32 rounding of the final scaling only (a few ulps of |y|)."""
+    rule = redfuser.derive(QUANT_GEMM_SPEC, passes="auto")
+    assert len(rule.stages) == 2 and "round" in str(rule)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((5, 300)).astype(np.float32)
+    wq = rng.integers(-127, 128, (300, 40), dtype=np.int8)
+    ws = (rng.random(40) / 50).astype(np.float32)
+    a32 = np.abs(x).max(-1, keepdims=True)
+    q64 = np.clip(np.round(x.astype(np.float64) * 127 / a32), -127, 127)
+    assert np.array_equal(np.clip(np.round(x * np.float32(127) / a32), -127, 127), q64)
+    ref = redfuser.reference(QUANT_GEMM_SPEC, {"x": x, "wq": wq, "ws": ws})["y"]
+    np.testing.assert_allclose(quant_gemm(x, wq, ws), ref, rtol=1e-6,
+                               atol=4 * np.finfo(np.float32).eps * np.abs(ref).max())
