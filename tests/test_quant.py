@@ -11,6 +11,8 @@ evaluation of the same expression.  The only rounding left is the final float32 
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import sympy as sp
@@ -20,8 +22,17 @@ from algebra.errors import SpecError
 from algebra.functions import Clip, Round, bounds
 from redfuser.lowering.cpu.int8 import ISAS, int8_gemm, isa_for, scratch_shapes
 from redfuser.lowering.cpu.int8 import quant_gemm as quant_gemm_func
+from redfuser.lowering.cuda.fp8 import fp8_quant_gemm
 from redfuser.quant import QUANT_GEMM_SPEC, QuantGemm, quant_gemm
-from redfuser.tvm_adapter import build, cpu_target, from_numpy, host_source
+from redfuser.tvm_adapter import (
+    build,
+    cpu_target,
+    cuda_source,
+    cuda_target,
+    from_numpy,
+    host_source,
+    nvcc_compile,
+)
 
 TIES = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5, 1e7 + 0.5, -0.49999997,
                  0.49999997, 8388607.5, np.inf, -np.inf, np.nan, -0.0], np.float32)
@@ -168,3 +179,17 @@ def test_quant_gemm_is_the_staged_cascade():
     ref = redfuser.reference(QUANT_GEMM_SPEC, {"x": x, "wq": wq, "ws": ws})["y"]
     np.testing.assert_allclose(quant_gemm(x, wq, ws), ref, rtol=1e-6,
                                atol=4 * np.finfo(np.float32).eps * np.abs(ref).max())
+
+
+def test_fp8_cuda_variant_source():
+    """The e4m3 (scale 448) CUDA twin: e4m3 stores, the max on the bits of |x|."""
+    src = cuda_source(build(fp8_quant_gemm(4, 64, 32), cuda_target("sm_90")))
+    assert "__nv_fp8_e4m3" in src and "2147483647" in src
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (a toolchain, not a GPU) absent")
+def test_fp8_cuda_variant_compiles_for_sm90():
+    """nvcc compiles it for sm_90; the quantization is the saturating round-to-nearest-even
+    conversion to e4m3."""
+    src = cuda_source(build(fp8_quant_gemm(4, 64, 32), cuda_target("sm_90")))
+    assert "cvt.rn.satfinite.e4m3x2.f32" in bytes(nvcc_compile(src, "sm_90")).decode()
