@@ -20,6 +20,10 @@ import functools
 import math
 
 import numpy as np
+import sympy as sp
+
+from algebra import NotFusable, derive
+from algebra.functions import bounds
 
 from .lowering.cpu.int8 import DotIsa, isa_for, scratch_shapes
 from .lowering.cpu.int8 import quant_gemm as quant_gemm_func
@@ -39,6 +43,36 @@ FUNC_NAME = "quant_gemm"
 # argument -> (dtype, what its shape must be), checked before anything runs
 EXPECTED = {"x": (np.float32, "(*rows, K)"), "wq": (np.int8, "(K, N)"),
             "ws": (np.float32, "(N,)")}
+
+
+INT8 = (-128, 127)  # the weights' range: an int8 stream
+
+
+@functools.lru_cache(maxsize=4)
+def integer_product_range(spec: str = QUANT_GEMM_SPEC) -> tuple[int, int]:
+    """Why int32 sums are exact: derived from the spec, not assumed.  The last stage of
+    ``spec`` (``QUANT_GEMM_SPEC``) sums ``wq * clip(round(...), lo, hi)``; the engine must show the
+    clip factor is an integer with constant bounds inside int8, and ``wq`` is int8 (the call
+    checks its dtype).  Returns the factor's bounds; NotFusable when it cannot be shown.
+
+    Examples
+    --------
+    >>> integer_product_range()
+    (-127, 127)
+    """
+    stage = derive(spec, passes="auto").stages[-1]
+    (comp,) = stage.rule.components
+    # the kernel's integer case: rows whose max a is positive and finite (the others are NaN
+    # rows, as in numpy), so a is a positive symbol there
+    good_rows = {sym: sp.Symbol(sym.name, positive=True)
+                 for sym in comp.basis[0].free_symbols if sym.name in stage.reads}
+    basis = comp.basis[0].subs(good_rows)
+    for factor in sp.Mul.make_args(basis):
+        span = bounds(factor)
+        if span is not None and factor.is_integer and INT8[0] <= span[0] <= span[1] <= INT8[1]:
+            return int(span[0]), int(span[1])
+    raise NotFusable(comp.columns[0].name, basis, f"has no factor proven an integer in "
+                     f"{list(INT8)}: its products cannot be summed exactly in int32")
 
 
 class QuantGemm:
@@ -61,6 +95,7 @@ class QuantGemm:
     def __init__(self, target: dict | None = None):
         self.target = target or cpu_target()
         self.isa: DotIsa = isa_for(self.target)
+        self.range = integer_product_range()  # the proof the int32 sums rest on
         self._built: dict[tuple, tuple] = {}
         self._last = None
 

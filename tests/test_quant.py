@@ -23,7 +23,7 @@ from algebra.functions import Clip, Round, bounds
 from redfuser.lowering.cpu.int8 import ISAS, int8_gemm, isa_for, scratch_shapes
 from redfuser.lowering.cpu.int8 import quant_gemm as quant_gemm_func
 from redfuser.lowering.cuda.fp8 import fp8_quant_gemm
-from redfuser.quant import QUANT_GEMM_SPEC, QuantGemm, quant_gemm
+from redfuser.quant import QUANT_GEMM_SPEC, QuantGemm, integer_product_range, quant_gemm
 from redfuser.tvm_adapter import (
     build,
     cpu_target,
@@ -193,3 +193,14 @@ def test_fp8_cuda_variant_compiles_for_sm90():
     conversion to e4m3."""
     src = cuda_source(build(fp8_quant_gemm(4, 64, 32), cuda_target("sm_90")))
     assert "cvt.rn.satfinite.e4m3x2.f32" in bytes(nvcc_compile(src, "sm_90")).decode()
+
+
+@pytest.mark.parametrize("factor", ["round(x[i] * 127 / a)",
+                                    "clip(round(x[i] * 127 / a), -200, 200)",
+                                    "clip(x[i] * 127 / a, -127, 127)"])
+def test_int32_sums_need_a_proven_int8_factor(factor):
+    """Unbounded, out of int8, or not an integer: no exact int32 sum, a NotFusable says why."""
+    assert integer_product_range() == (-127, 127)
+    spec = QUANT_GEMM_SPEC.replace("clip(round(x[i] * 127 / a), -127, 127)", factor)
+    with pytest.raises(redfuser.NotFusable, match="proven an integer"):
+        integer_product_range(spec)
