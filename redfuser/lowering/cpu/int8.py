@@ -33,7 +33,7 @@ QMAX = 127  # the quantized range [-127, 127] (symmetric: -128 is never produced
 INF_BITS = 0x7F800000  # float32 bits of +inf; |x| bits above it are NaN
 WORD = 32  # bits of an accumulator lane
 ROW_LANES = 16  # lanes of the per-row passes (amax, quantize, column sums)
-KC = 512  # k values per K block: U's block (m x KC) in L2, a panel's slice in L1
+KC = 512  # k values per K block: a panel's KC x nr slice (16-32 KB) stays in L1
 PACK_GROUPS = 32  # groups of W rows packed by one task: 64-128 rows, 256-512 KB
 COLSUM_CHUNK = 1024  # columns summed by one task: 4 KB of int32 sums stay in L1
 I8, U8 = "int8", "uint8"
@@ -171,11 +171,13 @@ def _pack_word(isa: DotIsa, w, packed, at, k: int, n: int, checked: bool):
 
 
 class _Gemm:
-    """acc[rows, cols] = U[rows, :] @ W in mr x nr register blocks, BLIS-like: K in blocks
-    of KC values (outermost: the block of U, m x KC, stays in L2 while every panel passes
-    over it, and a panel's KC x nr slice in L1 while every strip of rows does), column panels
-    in parallel, the running sums kept in ``partial`` between K blocks;
-    ``epilogue(row, col, acc)`` stores one result (``lanes`` columns, or one in the tail)."""
+    """acc[rows, cols] = U[rows, :] @ W in mr x nr register blocks, BLIS-like: column panels
+    in parallel, K in blocks of KC values (a panel's KC x nr slice stays in L1 while every
+    strip of rows passes over it), the running sums kept in ``partial`` between K blocks;
+    ``epilogue(row, col, acc)`` stores one result (``lanes`` columns, or one in the tail).
+    Measured in one run on 2 loaded cores (256 x 4096 -> 4096, AVX2): K blocks inside the
+    panel loop 374 ms, K blocks outermost (U's block shared in L2, 8 parallel launches)
+    403 ms; 6 x 16 registers 474 ms against 4 x 24 506, 3 x 32 550, 8 x 8 744."""
 
     def __init__(self, isa: DotIsa, bufs: tuple, m: int, k: int, n: int):
         self.isa, (self.u, self.packed, self.partial), self.m, self.n = isa, bufs, m, n
@@ -186,8 +188,8 @@ class _Gemm:
         isa = self.isa
         panels, strips = _round_up(self.n, isa.nr) // isa.nr, -(-self.m // isa.mr)
         blocks = -(-self.groups // self.block)
-        with T.serial(0, blocks) as kb:
-            with T.parallel(0, panels) as p:
+        with T.parallel(0, panels) as p:  # one launch (a K-block-outer order takes 8)
+            with T.serial(0, blocks) as kb:
                 with T.serial(0, strips) as s:
                     self._micro(p, s, kb, blocks, epilogue)
 
