@@ -334,15 +334,16 @@ class SelectComponent(Component):
 
     @property
     def reselects(self) -> bool:
-        """An index of an anchored body: exact only where the final anchors are finite."""
-        return bool(self.anchors) and self.state[-1].kind.is_index
+        """A selection of an anchored body: exact only where the final anchors are finite."""
+        return bool(self.anchors)
 
     def reselect(self, env: dict, result: np.ndarray, n: int, dt) -> np.ndarray:
-        """The index result where every final anchor is finite, else the selection over the
-        body itself.  The commutation argmax(F(g, a)) = argmax(g) is proven for real a; at
-        a NaN or infinite anchor F is flat (exp(x - NaN) is NaN for every x, so the lowest
-        indices win, as in the reference).  ``env``: the whole stream (*rows, N, F), the
-        parameters and the final results; ``n``: the stream length."""
+        """The result (values, or indices) where every final anchor is finite, else the
+        selection over the body itself.  The commutation argmax(F(g, a)) = argmax(g) is
+        proven for real a; at a NaN or infinite anchor F is flat or NaN in g (exp(x - NaN)
+        is NaN for every x, so the lowest indices win, as in the reference).  ``env``: the
+        whole stream (*rows, N, F), the parameters and the final results; ``n``: the stream
+        length."""
         anchors = [np.asarray(env[a.name]) for a in self.anchors]
         flat = np.any([~np.isfinite(a) for a in anchors], axis=0)
         if not np.any(flat):
@@ -351,7 +352,8 @@ class SelectComponent(Component):
         v = np.broadcast_to(v, np.broadcast_shapes(v.shape, flat.shape[:-2] + (n, 1)))
         j = np.broadcast_to(np.arange(n, dtype=np.int64).reshape(n, 1), v.shape)
         order = rank_order(v, j, LAWS[self.reduction.op].direction)[..., : self.k, :]
-        return np.where(flat, np.take_along_axis(j, order, axis=-2), result)
+        chosen = j if self.state[-1].kind.is_index else v
+        return np.where(flat, np.take_along_axis(chosen, order, axis=-2), result)
 
 
 def _wild(state: dict, columns, entries, r: int) -> np.ndarray:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .cascade import Cascade, Reduction, carries_feature_axis
+from .derive import running_values
 from .errors import NotFusable
 from .interpret import run_staged
 from .rule import FusionRule
@@ -231,8 +232,11 @@ def staged(cascade: Cascade, derive_cascade: DeriveCascade, name: str | None = N
     stages, earlier = [], set()
     for k, (members, boundary) in enumerate(zip(groups, bounds, strict=True)):
         sub = stage_cascade(cascade, members, earlier, k == len(groups) - 1)
-        # per-element outputs change no component: the last stage's rule only gains them
-        rule = dataclasses.replace(rules[k], cascade=sub, _cache={})
+        # the components depend only on the members and their anchors; the stage may have
+        # gained epilogues (one reading a result placed in an earlier stage later) and the
+        # per-element outputs since it was derived, so its running values are redone
+        comps = rules[k].components
+        rule = FusionRule(sub, comps, running_values(sub, comps), rules[k].status)
         stages.append(Stage(rule, tuple(p.name for p in sub.params if p.name in earlier),
                             boundary))
         earlier = _closure(cascade, earlier | {r.name for r in members})

@@ -28,7 +28,8 @@ RELU = "m = max(x[i]); r = sum(relu(x[i] - m + t))"
 CHAIN = ("m = max(x[i]); d = sum(exp(x[i] - m)); c = sum(abs(x[i] - m - log(d)))\n"
          "v = sum(relu(abs(x[i] - m - log(d)) - c / N))")
 # a reduction that reads only the first stage joins it, not the last: fewest stages = 2
-SIDE = "m = max(x[i]); r = sum(relu(x[i] - m + 1)); s = sum(x[i]**2); y[i] = x[i] * s - r"
+SIDE = ("m = max(x[i]); r = sum(relu(x[i] - m + 1)); s = sum(x[i]**2); y[i] = x[i] * s - r\n"
+        "e = r + s")  # e: an epilogue of both stages (s is placed in stage 1 after r)
 F32_RTOL = 2e-5  # float32 passes of <= 300 elements: a few hundred ulps of rounding at most
 
 
@@ -52,7 +53,7 @@ def test_auto_keeps_one_pass_rules():
     (MAD, [["mu", "mu_sum"], ["mad", "mad_sum"]]),
     (RELU, [["m"], ["r"]]),
     (CHAIN, [["d", "m"], ["c"], ["v"]]),
-    (SIDE, [["m", "s"], ["r"]]),
+    (SIDE, [["m", "s"], ["e", "r"]]),
 ])
 def test_fewest_stages_and_boundaries(spec, groups):
     rule = redfuser.derive(spec, passes="auto")
@@ -246,3 +247,33 @@ def test_cuda_resident_kernel_keeps_the_row_in_shared_memory_and_compiles(name):
     assert b".target sm_90" in nvcc_compile(src, arch="sm_90")
     kernel.prepare(**example_inputs(name, n=100_000, rows=(4,)))
     assert "re-read it from global memory" in kernel.plan.reason
+
+
+def test_cost_model_counts_a_later_pass_from_cache_only_while_the_row_fits():
+    """The nominal machine's bandwidth curve: a 16 KB row is re-read at L2 speed (resident
+    well ahead of unfused), a 16 MB row from DRAM again (almost no gain)."""
+    from redfuser.lowering import choose, shape_geometry
+    from redfuser.tune.cost import predict
+    from redfuser.tune.machine import nominal_cpu
+
+    rule, machine = redfuser.derive("mad").lowered(), nominal_cpu()
+    gains = []
+    for shape in [(4096, 4096), (64, 1 << 22)]:
+        geo = shape_geometry(rule, {"x": shape})
+        unfused, resident = (predict(rule, geo, choose(rule, geo, variant=v), machine)
+                             for v in ("unfused", None))
+        gains.append(unfused.seconds / resident.seconds)
+    assert gains[0] > 1.3 and 1.0 <= gains[1] < 1.15
+
+
+@pytest.mark.parametrize("spec, shape", [
+    ("j = argmax(x[i]); r = sum(abs(i - j))", (3, 9)),  # an index result read later
+    ("s = sum(x[i, :]) / N; r = sum(abs(dot(x[i, :], s) - 1))", (3, 9, 4)),  # a D-vector
+    ("m = max(x[i]); r = sum(relu(x[i] - m + 1)); y[i] = relu(x[i] - m + 1) / r", (3, 9)),
+])
+def test_later_stages_read_index_vector_results_and_write_per_element_outputs(spec, shape):
+    rule = redfuser.derive(spec, passes="auto")
+    inputs = {"x": np.random.default_rng(1).normal(size=shape).astype(np.float32)}
+    ref = redfuser.reference(spec, inputs)
+    for out in (rule.evaluate(inputs, chunks=[4, 5]), redfuser.compile(rule)(**inputs)):
+        _compare(out, ref, F32_RTOL)

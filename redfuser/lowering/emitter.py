@@ -351,11 +351,13 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
             self._finalize_empty(r, results)
             return
         self._mark_nans(st)
-        for comp in self.components:
+        for comp in self.components:  # in dependence order: a recomputed value is an anchor
             if isinstance(comp, LinearComponent) and comp.anchors:
                 self._settle(st, comp, r)
-        for comp in self.rule.components:
-            if isinstance(comp, SelectComponent) and comp.reselects:
+                if comp.reduction.op == "sum":
+                    self._recompute(st, comp, r)
+        for comp in self.components:
+            if isinstance(comp, SelectComponent) and comp.anchors:
                 self._reselect(st, comp, r)
         for name, expr in self.rule.running.items():
             if name not in results:

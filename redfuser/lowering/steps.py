@@ -146,9 +146,12 @@ class SelectSteps:
                     NAN_BITS, I32), const(float("nan")), st.get(name, 0, slot)), slot)
 
     def _reselect(self, st: States, comp, r):
-        """Finalize of an index of an anchored body (``SelectComponent.reselect``): where a
-        final anchor is not finite the body is flat in g, so the selection is made again
-        over the body itself, element by element (a second pass, only in such rows)."""
+        """Finalize of an anchored selection (``SelectComponent.reselect``): where a final
+        anchor is not finite, F(g, a) is flat or NaN in g (exp(x - NaN), (inf - inf)**3),
+        so the selection is made again over the body itself, element by element (a second
+        pass, only in such rows).  The value state becomes the core g at the elements
+        chosen (F of it is the body there: the reference's value) where an anchored
+        selection reads it, the index state their indices."""
         names = [a.name for a in comp.anchors]
         true = self.running(st, 0, r, names)
         flat = T.alloc_buffer((1,), I32, scope=self.scratch)
@@ -157,19 +160,90 @@ class SelectSteps:
             with T.serial(0, self.geo.width(a)) as slot:  # serial: an or over the slots
                 T.buffer_store(flat, tirx.bitwise_or(flat[0], tirx.Select(
                     isfinite(true[a](slot)), tirx.const(0, I32), tirx.const(1, I32))), [0])
+        vname, jname = _names(comp)
+        width = st.widths[vname]
         with T.If(flat[0] != tirx.const(0, I32)), T.Then():
-            # in registers of its own: only the index changes (the value state is what a
-            # twin value selection, ``emitter.folded``, reads as its own result)
-            again = self.states(1)
-            again.init(0, [s.symbol.name for s in comp.state])
+            best = _List(width, self.scratch)  # registers of its own, with indices
+
+            def body(i, slot):
+                look = self.base_lookup(r, i, slot, {**self.dots(r, i), **at(true, slot)})
+                return self.expr(comp.reduction.body, look), tirx.Cast(I64, i)
+
+            with T.serial(0, self.geo.n) as i:
+                if comp.k == 1:
+                    with self.slots(width) as slot:
+                        v, j = body(i, slot)
+                        sv, sj = T.bind(best.get("v", 0, slot)), T.bind(best.get("j", 0, slot))
+                        b = self._better(comp, v, j, sv, sj)
+                        best.set("v", 0, tirx.Select(b, v, sv), slot)
+                        best.set("j", 0, tirx.Select(b, j, sj), slot)
+                else:
+                    self._insert_k(best, comp, 0, *body(i, 0), "v", "j", ascending=True)
+            with T.serial(0, width) as t:  # serial: the core is read at chosen elements
+                j, slot = best.get("j", 0, t), t if comp.k == 1 else 0
+                look = self.base_lookup(r, j, slot, {**self.dots(r, j), **at(true, slot)})
+                if self._value_reselected(comp):
+                    st.set(vname, 0, self.expr(comp.core, look), t)
+                if jname:
+                    st.set(jname, 0, j, t)
+
+    def _value_reselected(self, comp) -> bool:
+        """Whether the value state of ``comp`` is read as an anchored selection's result:
+        its own, or a value selection's it stands in for (``emitter.folded``); an unanchored
+        one (``m = max(x)`` read from ``argmax(x - m)``) keeps its value."""
+        vname = comp.state[0].symbol.name
+        readers = [c for c in self.rule.components if len(c.state) == 1 and (
+            c is comp or self.aliases.get(c.state[0].symbol.name) == vname)]
+        return any(c.anchors for c in readers)
+
+    def _recompute(self, st: States, comp, r):
+        """Where a final anchor or a state of the re-anchored sum ``comp`` is not finite,
+        its value (its first column) is folded again from the row as written, at the final
+        anchors (a second pass, only in such rows).  The one-pass algebra is exact over
+        the reals; IEEE infinities in its columns or anchors cancel otherwise than the
+        element-wise terms do: inf - inf in a power sum where (inf - r)**3 is inf, and
+        r * sum(x) where sum(r * x) at r = inf is NaN over elements of both signs."""
+        names = [a.name for a in comp.anchors]
+        true = self.running(st, 0, r, names)
+        cols = [c.name for g, c in enumerate(comp.columns) if not comp.counts(g)]
+        wild = T.alloc_buffer((1,), I32, scope=self.scratch)
+        T.buffer_store(wild, tirx.const(0, I32), [0])
+        for values in [{a: true[a] for a in names},
+                       {c: (lambda slot, c=c: st.get(c, 0, slot)) for c in cols}]:
+            for name, value in values.items():
+                width = self.geo.width(name) if name in names else st.widths[name]
+                with T.serial(0, width) as slot:  # serial: an or over the slots
+                    T.buffer_store(wild, tirx.bitwise_or(wild[0], tirx.Select(
+                        isfinite(value(slot)), tirx.const(0, I32), tirx.const(1, I32))), [0])
+        total = cols[0]
+        with T.If(wild[0] != tirx.const(0, I32)), T.Then():
+            with self.slots(st.widths[total]) as slot:
+                st.set(total, 0, const(0), slot)
             with T.serial(0, self.geo.n) as i:
                 dots = self.dots(r, i)
-                self._select_insert(again, comp, 0, lambda slot: (self.expr(
-                    comp.reduction.body, self.base_lookup(r, i, slot, {**dots, **at(true, slot)})),
-                    tirx.Cast(I64, i)))
-            index = comp.state[-1].symbol.name
-            with T.serial(0, again.widths[index]) as t:
-                st.set(index, 0, again.get(index, 0, t), t)
+                with self.slots(st.widths[total]) as slot:
+                    term = self.expr(comp.reduction.body,
+                                     self.base_lookup(r, i, slot, {**dots, **at(true, slot)}))
+                    st.set(total, 0, st.get(total, 0, slot) + term, slot)
+
+
+class _List:
+    """A selection's values and indices in registers of their own (``States``' interface),
+    every index the sentinel at first: an empty slot takes anything."""
+
+    def __init__(self, width: int, scope: str):
+        self.widths = {"v": width, "j": width}
+        self.bufs = {"v": T.alloc_buffer((1, width), F32, scope=scope),
+                     "j": T.alloc_buffer((1, width), I64, scope=scope)}
+        with T.serial(0, width) as t:
+            T.buffer_store(self.bufs["v"], const(0), [0, t])
+            T.buffer_store(self.bufs["j"], tirx.const(INDEX_SENTINEL, I64), [0, t])
+
+    def get(self, name, lane, slot=0):
+        return self.bufs[name][lane, slot]
+
+    def set(self, name, lane, value, slot=0):
+        T.buffer_store(self.bufs[name], value, [lane, slot])
 
 
 def _names(comp) -> tuple[str, str | None]:

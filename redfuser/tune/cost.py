@@ -34,6 +34,7 @@ from algebra.functions import Dot
 from ..lowering import Geometry, Plan, signature
 from ..lowering.cpu.plan import LANES
 from ..lowering.cuda.plan import SMS
+from ..lowering.staged import RESIDENT
 from .machine import Machine
 from .work import RuleWork, Work, rule_work
 
@@ -86,9 +87,13 @@ def _predict_cpu(rule, geo: Geometry, plan: Plan, machine: Machine, w: RuleWork)
     waves, busy = math.ceil(items / machine.threads), min(items, machine.threads)
     per_item = math.ceil(geo.n / pieces)
     memory = compute = total = 0.0
+    seen: set[str] = set()  # row-resident: streams an earlier pass over the row has read
     for fold, lanes, tile, streams in _passes(rule, geo, plan, w):
         seconds = waves * per_item * _element_cost(fold, plan, lanes, tile, geo.d, machine)
-        nbytes = _stream_seconds(geo, streams, plan, machine, busy)
+        nbytes = _stream_seconds(geo, [k for k in streams if k not in seen], plan, machine,
+                                 busy) + _resident_seconds(geo, seen & set(streams), machine,
+                                                           busy)
+        seen |= set(streams) if plan.variant == RESIDENT else set()
         memory, compute = memory + nbytes, compute + seconds
         total += max(seconds, nbytes)
     out_bytes = _elementwise_bytes(rule, geo) * WRITE_FACTOR
@@ -107,7 +112,7 @@ def _passes(rule, geo: Geometry, plan: Plan, w: RuleWork):
     unfused stage reads earlier results as parameters: nothing to re-anchor."""
     streams = _stream_names(rule)
     out = [(w, plan.lanes, plan.tile, streams)]
-    if plan.variant == "unfused":
+    if plan.variant in ("unfused", RESIDENT):  # resident: the same passes, row by row
         out = []
         for k, red in enumerate(rule.cascade.reductions):
             used = {s.name for s in red.body.free_symbols} & set(streams)
@@ -187,6 +192,16 @@ def _stream_seconds(geo: Geometry, names, plan: Plan, m: Machine, busy: int) -> 
             reread = (geo.r - g.count) * slice_bytes / block
             seconds += reread / (m.bandwidth_at(slice_bytes * busy) * share)
     return seconds
+
+
+def _resident_seconds(geo: Geometry, names, m: Machine, busy: int) -> float:
+    """Seconds for a later pass of a row-resident plan to re-read ``names``: each thread
+    re-reads the row it just read, so the bandwidth is that of ``busy`` rows' worth of
+    bytes (the L2's while a row fits it, DRAM's once rows are megabytes long)."""
+    if not names:
+        return 0.0
+    row = _unique_bytes(geo, names) / max(geo.r, 1)
+    return row * geo.r / (m.bandwidth_at(row * busy) * busy / m.threads)
 
 
 def _elementwise_bytes(rule, geo: Geometry) -> float:
