@@ -125,6 +125,57 @@ class Round(_Named):
     def _eval_is_extended_real(self):
         return self.args[0].is_extended_real
 
+    def _eval_is_integer(self):  # of a finite real (sympy's real symbols are finite)
+        x = self.args[0]
+        return True if x.is_extended_real and x.is_finite else None
+
+
+class Clip(_Named):
+    """``clip(x, lo, hi)``: ``min(max(x, lo), hi)``, numpy's ``np.clip`` (NaN stays NaN).
+
+    Non-decreasing in ``x`` (its derivative is a product of steps, non-negative); an integer
+    between integer bounds when ``x`` is an integer, which is what lets a quantized value
+    ``clip(round(x * 127 / a), -127, 127)`` accumulate exactly in int32.
+
+    Examples
+    --------
+    >>> x = sp.Symbol("x", real=True)
+    >>> Clip(sp.Float(3.5), -1, 1), Clip(Round(x), -127, 127).is_integer
+    (1, True)
+    >>> bounds(Clip(Round(x), -127, 127))
+    (-127, 127)
+    """
+
+    spec_name = "clip"
+
+    @classmethod
+    def eval(cls, x, lo, hi):
+        if x.is_number and lo.is_number and hi.is_number:
+            return sp.Min(sp.Max(x, lo), hi)
+
+    def fdiff(self, argindex=1):
+        x, lo, hi = self.args
+        if argindex == 1:
+            return Step(x - lo) * Step(hi - x)
+        return Step(lo - x) if argindex == 2 else Step(x - hi)
+
+    def _eval_is_extended_real(self):
+        return fuzzy_and(a.is_extended_real for a in self.args)
+
+    def _eval_is_integer(self):
+        return fuzzy_and(a.is_integer for a in self.args)
+
+    def _eval_is_finite(self):
+        return fuzzy_and(a.is_finite for a in self.args[1:])
+
+
+def bounds(e: sp.Expr) -> tuple[sp.Expr, sp.Expr] | None:
+    """Constant bounds ``(lo, hi)`` of ``e`` when it is a clip between two numbers, else None:
+    the range an integer stream needs to be stored in 8 bits and accumulated in 32."""
+    if isinstance(e, Clip) and e.args[1].is_number and e.args[2].is_number:
+        return e.args[1], e.args[2]
+    return None
+
 
 class Maximum(_Named):
     """Elementwise binary maximum (kept apart from sympy ``Max`` to keep -inf handling ours)."""
@@ -352,6 +403,7 @@ FUNCTIONS: dict[str, Elementwise] = {
     "ceil": Elementwise(1, sp.ceiling, np.ceil),
     "round": Elementwise(1, Round, np.round),
     "sign": Elementwise(1, sp.sign, np.sign),
+    "clip": Elementwise(3, Clip, np.clip),  # np.clip: min(max(x, lo), hi), NaN stays NaN
     "maximum": Elementwise(2, Maximum, np.maximum),
     "minimum": Elementwise(2, Minimum, np.minimum),
     "dot": Elementwise(2, Dot, _np_dot),

@@ -33,7 +33,7 @@ from sympy.codegen.cfunctions import expm1
 
 from .addition import PHASE, WAVES, exp_form, is_wave, mixes, wave_parts
 from .errors import NotFusable
-from .functions import Maximum, Minimum, Relu, Round
+from .functions import Clip, Maximum, Minimum, Relu, Round
 from .selects import conditions, has_select, leaves, masked
 
 
@@ -96,6 +96,8 @@ _WHY = {
           "(no finite sum of G(x)*H(anchor) equals it)",
     sp.Abs: "has a kink that moves with the anchor: not separable (no finite sum of "
             "G(x)*H(anchor) equals it)",
+    Clip: "has kinks at its bounds that move with the anchor: not separable (no finite sum "
+          "of G(x)*H(anchor) equals it)",
     Maximum: "switches branch where the anchor crosses the stream: not separable",
     Minimum: "switches branch where the anchor crosses the stream: not separable",
     sp.exp: "has an exponent that does not split into a stream part plus an anchor part",

@@ -28,7 +28,8 @@ True
 from algebra import LIBRARY, FusionRule, NotFusable, SpecError, StagedRule, derive, reference
 
 __all__ = ["LIBRARY", "FuseReport", "FusionRule", "Kernel", "NotFusable", "SpecError",
-           "StagedRule", "compile", "derive", "fuse", "lift", "reference"]
+           "QuantGemm", "StagedRule", "compile", "derive", "fuse", "lift", "quant_gemm",
+           "reference"]
 
 
 def __getattr__(name: str):
@@ -36,6 +37,10 @@ def __getattr__(name: str):
         from . import kernel  # lazily: loading TVM costs 0.6 s, which derive never needs
 
         return getattr(kernel, name)
+    if name in ("quant_gemm", "QuantGemm"):  # exact int8 quantization + GEMM (TVM)
+        from . import quant
+
+        return getattr(quant, name)
     if name in ("lift", "fuse", "FuseReport"):  # TensorIR: find and fuse cascades
         from . import tensorir
 

@@ -29,10 +29,10 @@ from tvm.support import nvcc  # noqa: E402
 BufferLoadNode = type(tirx.decl_buffer((1,), "float32")[0])
 LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
-__all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "arg_buffer", "build", "cpu_target",
-           "cuda_device_name", "cuda_rounded", "cuda_source", "cuda_target", "default_threads",
-           "device", "empty_aligned", "from_dlpack", "from_numpy", "kernel_arg", "llvm_rounded",
-           "nvcc_compile", "structural_equal", "time_ms", "tirx"]
+__all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "arg_buffer", "build", "cpu_has",
+           "cpu_target", "cuda_device_name", "cuda_rounded", "cuda_source", "cuda_target",
+           "default_threads", "device", "empty_aligned", "from_dlpack", "from_numpy",
+           "kernel_arg", "llvm_rounded", "nvcc_compile", "structural_equal", "time_ms", "tirx"]
 
 
 def default_threads() -> int:
@@ -44,6 +44,11 @@ def default_threads() -> int:
 def cpu_target() -> dict:
     """The host CPU by name: "native" and plain "llvm" silently give generic SSE code."""
     return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
+
+
+def cpu_has(target: dict, feature: str) -> bool:
+    """Does the LLVM CPU ``target`` names have ``feature`` ("avx512vnni", "avx2")?"""
+    return bool(tvm.target.codegen.target_has_features(feature, tvm.target.Target(target)))
 
 
 def llvm_rounded(x):

@@ -74,6 +74,36 @@ def _maximum(a, b, dtype, pick=tirx.max):
         tirx.Or(isnan(u), isnan(v)), u + v, pick(u, v))))  # NaN + anything is NaN
 
 
+def round_half_even(x, dtype: str = "float32"):
+    """np.round (half to even, the sign of a zero kept) from floor: TVM 0.27 miscompiles
+    ``nearbyint`` bound by a statement let inside a vectorized loop (every lane gets the last
+    lane's value; docs/TVM-NOTES.md), and floor vectorizes.  ``v - floor(v)`` is exact, so is
+    the parity test of floor(v) below 2**24 (above it every float is an even integer).
+
+    Examples
+    --------
+    >>> "floor" in str(round_half_even(tirx.Var("v", "float32")))
+    True
+    """
+    if dtype != "float32":
+        return tirx.nearbyint(x)
+    half, one, two = const(0.5, dtype), const(1, dtype), const(2, dtype)
+
+    def body(v):
+        return share(tirx.floor(v), lambda f: share(v - f, lambda frac: _signed_like(
+            f + tirx.Select(tirx.Or(frac > half, tirx.And(
+                tirx.EQ(frac, half), tirx.EQ(f - two * tirx.floor(f * half), one))),
+                one, const(0, dtype)), v)))
+    return share(x, body)
+
+
+def _signed_like(magnitude, sign):
+    """``magnitude`` with the sign bit of ``sign`` or'ed in: round(-0.4) is -0.0, as numpy."""
+    bits = tirx.bitwise_or(tirx.reinterpret("int32", magnitude), tirx.bitwise_and(
+        tirx.reinterpret("int32", sign), tirx.const(-2**31, "int32")))
+    return tirx.reinterpret("float32", bits)
+
+
 def _relu(x, dtype):
     zero = const(0, dtype)  # relu(NaN) = NaN, as np.maximum(x, 0)
     return share(x, lambda v: tirx.Select(isnan(v), v, tirx.max(v, zero)))
@@ -101,10 +131,11 @@ FUNCS: dict[str, Callable] = {
     "expm1": lambda a, dt, exp: exp(a[0]) - const(1, dt),
     "floor": lambda a, dt, exp: tirx.floor(a[0]),
     "ceiling": lambda a, dt, exp: tirx.ceil(a[0]),
-    "Round": lambda a, dt, exp: tirx.nearbyint(a[0]),  # half to even, as numpy
+    "Round": lambda a, dt, exp: round_half_even(a[0], dt),  # half to even, as numpy
     "sign": lambda a, dt, exp: _sign(a[0], dt),
     "Maximum": lambda a, dt, exp: _maximum(a[0], a[1], dt),
     "Minimum": lambda a, dt, exp: _maximum(a[0], a[1], dt, tirx.min),
+    "Clip": lambda a, dt, exp: _maximum(_maximum(a[0], a[1], dt), a[2], dt, tirx.min),  # np.clip
     "Where": lambda a, dt, exp: tirx.Select(a[0], a[1], a[2]),  # np.where: no branch leaks
     "StrictLessThan": lambda a, dt, exp: a[0] < a[1],
     "LessThan": lambda a, dt, exp: a[0] <= a[1],

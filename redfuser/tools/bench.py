@@ -47,6 +47,7 @@ from ..tvm_adapter import (  # noqa: E402
     tirx,
 )
 from ..tvm_adapter import build as tvm_build  # noqa: E402
+from . import quant_bench  # noqa: E402
 from .metaschedule_compare import print_comparison  # noqa: E402
 
 
@@ -200,6 +201,8 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
             same = row["tuned plan"] == describe(fused.plan)
             print(f"{'':<4}tuned: {row['tuned plan']} ({row['tune s']:.1f} s to tune); "
                   f"untuned: {'the same plan' if same else describe(fused.plan)}", flush=True)
+    if not only or only in "quant+gemm":  # its own columns: torch's int8 Linear, our f32 GEMM
+        print(quant_bench.line(quant_bench.row(scale, repeat, torch)), flush=True)
     return rows
 
 

@@ -1,0 +1,174 @@
+"""Per-token int8 quantization + GEMM on the CPU, exact: ``redfuser.quant_gemm(x, wq, ws)``.
+
+The cascade (``QUANT_GEMM_SPEC``; ``redfuser.derive(QUANT_GEMM_SPEC, passes="auto")`` cuts it
+into two stages, the max and the quantized sum, and ``redfuser.reference`` is its float64
+oracle)::
+
+    a = max(abs(x[i]))
+    y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a / 127 * ws[:]
+
+with ``x`` float32 (*rows, K), ``wq`` int8 (K, N), ``ws`` float32 (N,), ``y`` float32
+(*rows, N).  The quantized values are numpy's float32 evaluation of the same expression,
+their products with the weights are summed exactly in int32, and the scaling is the
+spec's, left to right in float32: ``y`` is bit-identical to numpy quantize-then-GEMM.  The
+kernel (``lowering.cpu.int8``) uses AVX-512 VNNI where the CPU has it, AVX2 otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import sympy as sp
+
+from algebra import NotFusable, derive
+from algebra.functions import bounds
+
+from .lowering.cpu.int8 import DotIsa, isa_for, scratch_shapes
+from .lowering.cpu.int8 import quant_gemm as quant_gemm_func
+from .tvm_adapter import (
+    build,
+    cpu_target,
+    device,
+    empty_aligned,
+    from_numpy,
+    host_source,
+    time_ms,
+)
+
+QUANT_GEMM_SPEC = ("a = max(abs(x[i]))\n"
+                   "y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a / 127 * ws[:]")
+FUNC_NAME = "quant_gemm"
+# argument -> (dtype, what its shape must be), checked before anything runs
+EXPECTED = {"x": (np.float32, "(*rows, K)"), "wq": (np.int8, "(K, N)"),
+            "ws": (np.float32, "(N,)")}
+
+
+INT8 = (-128, 127)  # the weights' range: an int8 stream
+
+
+@functools.lru_cache(maxsize=4)
+def integer_product_range(spec: str = QUANT_GEMM_SPEC) -> tuple[int, int]:
+    """Why int32 sums are exact: derived from the spec, not assumed.  The last stage of
+    ``spec`` (``QUANT_GEMM_SPEC``) sums ``wq * clip(round(...), lo, hi)``; the engine must show the
+    clip factor is an integer with constant bounds inside int8, and ``wq`` is int8 (the call
+    checks its dtype).  Returns the factor's bounds; NotFusable when it cannot be shown.
+
+    Examples
+    --------
+    >>> integer_product_range()
+    (-127, 127)
+    """
+    stage = derive(spec, passes="auto").stages[-1]
+    (comp,) = stage.rule.components
+    # the kernel's integer case: rows whose max a is positive and finite (the others are NaN
+    # rows, as in numpy), so a is a positive symbol there
+    good_rows = {sym: sp.Symbol(sym.name, positive=True)
+                 for sym in comp.basis[0].free_symbols if sym.name in stage.reads}
+    basis = comp.basis[0].subs(good_rows)
+    for factor in sp.Mul.make_args(basis):
+        span = bounds(factor)
+        if span is not None and factor.is_integer and INT8[0] <= span[0] <= span[1] <= INT8[1]:
+            return int(span[0]), int(span[1])
+    raise NotFusable(comp.columns[0].name, basis, f"has no factor proven an integer in "
+                     f"{list(INT8)}: its products cannot be summed exactly in int32")
+
+
+class QuantGemm:
+    """The compiled kernel per shape, with its scratch buffers (allocated once per shape).
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((3, 40)).astype(np.float32)
+    >>> wq = rng.integers(-127, 128, (40, 24)).astype(np.int8)
+    >>> ws = np.full(24, 0.01, np.float32)
+    >>> y = QuantGemm()(x, wq, ws)
+    >>> a = np.abs(x).max(axis=1, keepdims=True)
+    >>> q = np.clip(np.round(x * np.float32(127) / a), -127, 127)
+    >>> ref = (q.astype(np.float64) @ wq).astype(np.float32) * a / np.float32(127) * ws
+    >>> np.array_equal(y, ref)
+    True
+    """
+
+    def __init__(self, target: dict | None = None):
+        self.target = target or cpu_target()
+        self.isa: DotIsa = isa_for(self.target)
+        self.range = integer_product_range()  # the proof the int32 sums rest on
+        self._built: dict[tuple, tuple] = {}
+        self._last = None
+
+    def __call__(self, x, wq, ws) -> np.ndarray:
+        x, wq, ws = _checked(x, wq, ws)
+        rows, (k, n) = x.shape[:-1], wq.shape
+        m = math.prod(rows)
+        if m == 0 or n == 0 or k == 0:  # K = 0: a = max() = -inf, 0 * -inf is NaN
+            return np.full(rows + (n,), np.nan if k == 0 else 0, np.float32)
+        ex, scratch = self._prepare(m, k, n)
+        y = empty_aligned((m, n), np.float32)
+        ex[FUNC_NAME](*(from_numpy(a) for a in (x.reshape(m, k), wq, ws, y, *scratch)))
+        return y.reshape(rows + (n,))
+
+    def _prepare(self, m: int, k: int, n: int):
+        key = (m, k, n)
+        if key not in self._built:
+            ex = build(quant_gemm_func(self.isa, m, k, n, FUNC_NAME), self.target)
+            scratch = [empty_aligned(shape, dtype)
+                       for shape, dtype in scratch_shapes(self.isa, m, k, n).values()]
+            self._built[key] = (ex, scratch)
+        self._last = self._built[key]
+        return self._last
+
+    def time(self, x, wq, ws, repeat: int = 5) -> float:
+        """Median milliseconds of one call on these inputs (after a warm-up call)."""
+        x, wq, ws = _checked(x, wq, ws)
+        m, (k, n) = math.prod(x.shape[:-1]), wq.shape
+        ex, scratch = self._prepare(m, k, n)
+        args = [from_numpy(a) for a in (x.reshape(m, k), wq, ws,
+                                         empty_aligned((m, n), np.float32), *scratch)]
+        return time_ms(ex, FUNC_NAME, device(self.target), args, repeat)
+
+    def assembly(self) -> str:
+        """The CPU code of the most recently used shape."""
+        if self._last is None:
+            raise RuntimeError("call the kernel once first")
+        return host_source(self._last[0], "asm")
+
+
+def _checked(x, wq, ws) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The inputs as C-contiguous arrays of their dtypes, or a clear error naming one."""
+    arrays = {}
+    for name, value in (("x", x), ("wq", wq), ("ws", ws)):
+        dtype, shape = EXPECTED[name]
+        a = np.asarray(value)
+        if a.dtype != dtype:
+            raise TypeError(f"input '{name}' has dtype {a.dtype}; expected {np.dtype(dtype)} "
+                            f"of shape {shape}")
+        arrays[name] = np.ascontiguousarray(a)
+    x, wq, ws = arrays["x"], arrays["wq"], arrays["ws"]
+    if x.ndim < 1 or wq.ndim != 2 or ws.ndim != 1:
+        raise ValueError(f"inputs have shapes x {x.shape}, wq {wq.shape}, ws {ws.shape}; "
+                         "expected x (*rows, K), wq (K, N), ws (N,)")
+    if x.shape[-1] != wq.shape[0] or ws.shape[0] != wq.shape[1]:
+        raise ValueError(f"inputs have shapes x {x.shape}, wq {wq.shape}, ws {ws.shape}; "
+                         "expected x (*rows, K), wq (K, N), ws (N,) with matching K and N")
+    return x, wq, ws
+
+
+@functools.lru_cache(maxsize=1)
+def _default() -> QuantGemm:
+    return QuantGemm()
+
+
+def quant_gemm(x, wq, ws) -> np.ndarray:
+    """``y = quantize(x) @ wq * a / 127 * ws`` exactly (see the module docstring), on the
+    host CPU; compiled once per shape.
+
+    Examples
+    --------
+    >>> x = np.array([[1.0, -2.0, 0.5, 4.0]], np.float32)
+    >>> quant_gemm(x, np.eye(4, dtype=np.int8), np.ones(4, np.float32))
+    array([[ 1.007874, -2.015748,  0.503937,  4.      ]], dtype=float32)
+    """
+    return _default()(x, wq, ws)

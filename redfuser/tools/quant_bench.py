@@ -1,0 +1,83 @@
+"""The quant + GEMM row of ``redfuser bench``: per-token int8 quantization + GEMM
+(``redfuser.quant.quant_gemm``) against torch's dynamic int8 ``Linear``
+(``torch.ao.quantization.quantize_dynamic``, which quantizes the activations per tensor to 7
+bits on x86, so it is no exact twin), numpy quantize-then-GEMM (bit-identical to ours, checked
+here) and our float32 RMSNorm+GEMM kernel on the same shape, timed in turns in one run.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+
+import redfuser
+
+from ..quant import QuantGemm
+from ..tvm_adapter import cpu_target
+
+ROWS, K, N = 256, 4096, 4096
+WEIGHT_SCALE = 1 / 64  # ws: per-column float scales of the int8 weights
+QMAX = np.float32(127)
+
+
+def median_of_turns(fns: list, repeat: int) -> list[float]:
+    """Median ms of each function, timed in turns (a noise burst hits all of them)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()  # warm-up: compiles, JIT, page faults
+    for _ in range(repeat):
+        for fn, out in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return [float(np.median(t)) * 1e3 for t in times]
+
+
+def numpy_quant_gemm(x: np.ndarray, wq: np.ndarray, ws: np.ndarray) -> np.ndarray:
+    """Quantize-then-GEMM in numpy float32; the GEMM in float64 on the integers (exact)."""
+    a = np.abs(x).max(axis=-1, keepdims=True)
+    q = np.clip(np.round(x * QMAX / a), -127, 127)
+    return (q.astype(np.float64) @ wq.astype(np.float64)).astype(np.float32) * a / QMAX * ws
+
+
+def inputs(rng: np.random.Generator, scale: float) -> dict:
+    rows = max(1, int(ROWS * scale))
+    return {"x": rng.normal(size=(rows, K)).astype(np.float32),
+            "wq": rng.integers(-127, 128, (K, N)).astype(np.int8),
+            "ws": np.full(N, WEIGHT_SCALE, np.float32)}
+
+
+def row(scale: float = 1.0, repeat: int = 5, torch=None) -> dict:
+    """Milliseconds of each contender, and whether ours equals numpy bit for bit."""
+    a = inputs(np.random.default_rng(0), scale)
+    ours = QuantGemm()
+    rms = redfuser.compile("rmsnorm_gemm", tune=False)
+    w = (a["wq"] * np.float32(WEIGHT_SCALE)).astype(np.float32)
+    fns = {"fused": lambda: ours(**a), "numpy": lambda: numpy_quant_gemm(**a),
+           "f32 rmsnorm+gemm": lambda: rms(x=a["x"], w=w, eps=1e-6)}
+    if torch is not None:
+        linear = torch.nn.Linear(K, N, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(w.T.copy()))
+        with warnings.catch_warnings():  # torch deprecates its quantized tensor types
+            warnings.simplefilter("ignore")
+            qlinear = torch.ao.quantization.quantize_dynamic(
+                torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8)
+        tx = torch.from_numpy(a["x"])
+        fns["torch int8"] = lambda: qlinear(tx)
+    times = median_of_turns(list(fns.values()), repeat)
+    out = dict(zip(fns, times, strict=True))
+    out["exact"] = bool(np.array_equal(ours(**a), numpy_quant_gemm(**a)))
+    out["isa"] = ours.isa.name
+    return out
+
+
+def line(r: dict) -> str:
+    parts = [f"{k} {v:.1f} ms" for k, v in r.items() if isinstance(v, float)]
+    ratios = [f"{name} / fused {r[name] / r['fused']:.2f}x"
+              for name in ("torch int8", "f32 rmsnorm+gemm") if name in r]
+    return (f"quant+gemm {ROWS}x{K}->{N} ({r['isa']}, {cpu_target()['mcpu']}): "
+            + ", ".join(parts) + "; " + ", ".join(ratios)
+            + f"; bit-identical to numpy: {r['exact']}")
