@@ -162,6 +162,25 @@ def test_relax_size_that_is_not_a_product_of_variables_is_refused():
     assert all(g.reason for g in fuse.report.groups)
 
 
+def test_relax_symbolic_single_reduction_is_reported_as_one_pass():
+    """A lone sum over a middle axis of a symbolic-length tensor (Mixtral's expert combine)
+    is no cascade: the report still names it, skipped as already one pass."""
+    length = tirx.Var("L", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((length, 2, 64), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.sum(x, axis=[1]))
+            z = bb.emit_output(relax.op.nn.softmax(relax.op.multiply(y, y)))
+        bb.emit_func_output(z)
+    fuse = rr.FuseCascadedReductions(check_build=False)
+    fuse(bb.get())
+    ops = {op: g for g in fuse.report.groups for op in g.ops}
+    assert f"sum {y.name}" in ops, str(fuse.report)
+    assert not ops[f"sum {y.name}"].fused and "single reduction" in ops[f"sum {y.name}"].reason
+    assert ops[f"softmax {z.name}"].fused, str(fuse.report)
+
+
 class _NormSoftmax(torch.nn.Module):
     """LayerNorm plus a softmax over the features, of a (1, seq, 32) input."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..report import FuseReport, GroupReport
 from ..tvm_adapter import IRModule, current_target_kind, module_pass, relax
 from .frag import Unliftable
-from .group import BindingGroup, form_groups
+from .group import BindingGroup, form_groups, skipped_entries
 from .lift import Lifter
 from .rewrite import check_kernel, derive_spec, kernel_for, splice
 from .symbolic import fuse_symbolic, symbolic_vars
@@ -61,8 +61,7 @@ def _fuse_block(mod: IRModule, gv, func, index: int, options: tuple, entries: li
         entries.append(GroupReport(function_name(gv), (), False,
                                    f"block {index} not analysed: {type(e).__name__}: {e}"))
         return mod
-    entries += _unlifted(function_name(gv), lifter) + _singles(function_name(gv), lifter,
-                                                               groups)
+    entries += skipped_entries(function_name(gv), lifter, groups)
     for group in groups:
         mod, entry = apply_group(mod, gv, index, group, *options)
         entries.append(entry)
@@ -126,36 +125,6 @@ def _checked_kernel(group: BindingGroup, rule, name: str, check_build: bool):
     kernel = kernel_for(group, rule, name, tuned=False)
     check_kernel(kernel)
     return kernel
-
-
-def _unlifted(fname: str, lifter: Lifter) -> list[GroupReport]:
-    """Every reduction op that could not be lifted, skipped with the reason (a reduction
-    over another axis, a symbolic shape, an op with no lifting such as group_norm)."""
-    return [GroupReport(fname, (var.name,), False, reason, (f"{op} {var.name}",))
-            for var, (op, reason) in lifter.failures.items()]
-
-
-SINGLE = "a single reduction with no per-element output after it: already one pass"
-
-
-def _singles(fname: str, lifter: Lifter, groups: list[BindingGroup]) -> list[GroupReport]:
-    """Every lifted reduction that no cascade holds, skipped as already one pass (as the
-    TensorIR pass reports it), so that no reduction the pass meets goes unmentioned."""
-    held = {s.name for g in groups for s in g.needed}
-    out = []
-    for var, node in lifter.nodes.items():
-        op = f"{_op_of(node, var)} {var.name}"
-        mine = [s for s in node.frag.stmts.values() if s.kind == "red" and s.op == op]
-        if mine and not any(s.name in held for s in mine):
-            out.append(GroupReport(fname, (var.name,), False, SINGLE, (op,),
-                                   "\n".join(f"{s.name} = {s.text}" for s in mine)))
-    return out
-
-
-def _op_of(node, var) -> str:
-    """The op name a node's own statements carry ("sum lv3" -> "sum")."""
-    own = [s.op for s in node.frag.stmts.values() if s.op.endswith(f" {var.name}")]
-    return own[0].split()[0] if own else ""
 
 
 def _cleanup(mod: IRModule, gv) -> IRModule:

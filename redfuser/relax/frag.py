@@ -51,6 +51,7 @@ class Stmt:
     kind: str
     deps: frozenset[str]  # statements it reads
     op: str  # the Relax binding it comes from, for the report ("softmax lv9")
+    absorbed: tuple[str, ...] = ()  # reductions of a chain it stands for ("max lv105")
 
 
 @dataclass(frozen=True, eq=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..report import GroupReport
 from ..tvm_adapter import relax
 from .frag import Frag, Stmt, Unliftable, closure, merge
 from .lift import Lifter
@@ -30,7 +31,7 @@ class BindingGroup:
 
     @property
     def ops(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(s.op for s in self.needed))
+        return tuple(dict.fromkeys(op for s in self.needed for op in (s.op, *s.absorbed)))
 
     @property
     def values(self) -> tuple[str, ...]:
@@ -115,3 +116,29 @@ def _reads_result(stmt: Stmt, stmts: dict, results: set) -> bool:
             seen.add(name)
             todo.extend(stmts[name].deps)
     return False
+
+
+SINGLE = "a single reduction with no per-element output after it: already one pass"
+
+
+def skipped_entries(fname: str, lifter: Lifter, groups: list[BindingGroup]) -> list[GroupReport]:
+    """Report entries for every reduction no group holds, so that no reduction the pass
+    meets goes unmentioned: each op that could not be lifted, with the reason (another
+    axis, an op with no lifting), and each lifted reduction that no cascade holds, as
+    already one pass (as the TensorIR pass reports it)."""
+    out = [GroupReport(fname, (var.name,), False, reason, (f"{op} {var.name}",))
+           for var, (op, reason) in lifter.failures.items()]
+    held = {s.name for g in groups for s in g.needed}
+    for var, node in lifter.nodes.items():
+        op = f"{_op_of(node, var)} {var.name}"
+        mine = [s for s in node.frag.stmts.values() if s.kind == "red" and s.op == op]
+        if mine and not any(s.name in held for s in mine):
+            out.append(GroupReport(fname, (var.name,), False, SINGLE, (op,),
+                                   "\n".join(f"{s.name} = {s.text}" for s in mine)))
+    return out
+
+
+def _op_of(node, var) -> str:
+    """The op name a node's own statements carry ("sum lv3" -> "sum")."""
+    own = [s.op for s in node.frag.stmts.values() if s.op.endswith(f" {var.name}")]
+    return own[0].split()[0] if own else ""

@@ -105,8 +105,10 @@ def safe_softmax(lf: Lifting, call) -> Node | None:
     sums = sorted((s for s in node.frag.stmts.values()
                    if s.op == f"softmax {p.name}" and s.kind == "red"), key=lambda s: s.seq)
     node, d = lf.node(p), sums[-1]
+    flag_max = tuple(f"max {v.name}" for v in found[1]
+                     if _call(lf.values, v, "relax.max") is not None)
     stmt = lf.stmt(GUARD.format(d=d.name, p=node.text), "let", node.deps | {d.name},
-                   "relax.where")
+                   "relax.where", absorbed=flag_max)  # the report names the int8 max
     lf.quiet.update(found[1])  # the flag's chain (its int8 max) dies with the where
     if isinstance(zero, relax.Var):
         lf.absorbed.add((zero, p))  # full_like reads p's shape only, and dies too

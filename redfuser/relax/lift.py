@@ -60,10 +60,10 @@ class Lifter:
         return self
 
     # Statements and inputs ------------------------------------------------------------
-    def stmt(self, text: str, kind: str, deps, op: str) -> Stmt:
+    def stmt(self, text: str, kind: str, deps, op: str, absorbed: tuple = ()) -> Stmt:
         self.seq += 1
         return Stmt(self.seq, f"t{self.seq}", text, kind, frozenset(deps),
-                    f"{_short(op)} {self.current.name}")
+                    f"{_short(op)} {self.current.name}", absorbed)
 
     def input(self, ext: Ext, kind: str, vector: bool, rows: tuple, frame, n, d=None):
         """Register a kernel input; returns (spec reference, fragment holding it)."""

@@ -21,6 +21,7 @@ import operator
 from ..report import GroupReport
 from ..tvm_adapter import GenericConst, relax
 from .frag import Unliftable
+from .group import skipped_entries
 from .rewrite import check_kernel, derive_spec, dynamic_call_shapes, dynamic_kernel_for, splice
 
 PROBE_FROM = 11  # primes from here: model sizes are mostly products of 2, 3, 5 and 7
@@ -78,8 +79,7 @@ def fuse_symbolic(mod, gv, func, index: int, fname: str, driver: tuple,
         spec = func.bind_symbolic_vars(probe)
         runs.append((probe, _var_map(spec, func), *plan_block(spec, spec.body.blocks[index])))
     (probe, names, lifter, groups), entries = runs[0], []
-    entries += [GroupReport(fname, (var.name,), False, reason, (f"{op} {var.name}",))
-                for var, (op, reason) in lifter.failures.items()]
+    entries += skipped_entries(fname, lifter, groups)
     others = [r[3] for r in runs[1:]]
     for k, group in enumerate(groups):
         twins = [g[k] if k < len(g) else None for g in others]
