@@ -193,8 +193,15 @@ def host_source(executable, fmt: str = "asm") -> str:
 
 
 def cuda_source(executable) -> str:
-    """The generated .cu text of a CUDA executable."""
-    return executable.mod.imports[0].inspect_source()
+    """The generated .cu text of a CUDA executable (a PrimFunc's or a Relax VM's: the CUDA
+    module is found among the imports at any depth)."""
+    pending = [executable.mod]
+    while pending:
+        module = pending.pop()
+        if module.kind == "cuda":
+            return module.inspect_source()
+        pending += list(module.imports)
+    raise ValueError("the executable holds no CUDA module")
 
 
 def nvcc_compile(source: str, arch: str = "sm_90") -> bytes:
@@ -278,9 +285,14 @@ def relax_vm(executable, dev=None):
     return relax.VirtualMachine(executable, dev or tvm.cpu(0))
 
 
+def target_in_scope():
+    """The ``tvm.target.Target`` in scope (``with Target(...)``), or None."""
+    return tvm.target.Target.current(allow_none=True)
+
+
 def current_target_kind() -> str | None:
     """The kind ("llvm", "cuda", ...) of the target in scope, or None when there is none."""
-    target = tvm.target.Target.current(allow_none=True)
+    target = target_in_scope()
     return None if target is None else str(target.kind.name)
 
 

@@ -10,6 +10,7 @@ accumulation length: atol = rtol = 2e-5 holds with room (measured errors are ~5e
 from __future__ import annotations
 
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -19,7 +20,15 @@ from torch import nn
 
 from redfuser.examples.models import examples
 from redfuser.relax import FuseCascadedReductions, build, fuse_module, run
-from redfuser.tvm_adapter import import_torch, relax, structural_equal
+from redfuser.tvm_adapter import (
+    cuda_source,
+    cuda_target,
+    import_torch,
+    nvcc_compile,
+    relax,
+    structural_equal,
+    tvm,
+)
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -69,6 +78,33 @@ class NormLinear(nn.Module):
         return self.lin(y)
 
 
+class Epilogue(nn.Module):
+    """RMSNorm, a linear layer with bias, GELU and a residual add: the three ops after the
+    matmul are folded into the kernel's finalize (per output feature)."""
+
+    def __init__(self, d: int = 48, p: int = 24):
+        super().__init__()
+        self.weight, self.lin = nn.Parameter(1 + 0.1 * torch.randn(d)), nn.Linear(d, p)
+
+    def forward(self, x, residual):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return F.gelu(self.lin(y)) + residual
+
+
+class GatedMLP(nn.Module):
+    """Llama's MLP input: RMSNorm, then silu(gate(y)) * up(y): both matmuls and the gating
+    in one kernel (its output is the product, not the two projections)."""
+
+    def __init__(self, d: int = 48, p: int = 40):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.gate, self.up = nn.Linear(d, p, bias=False), nn.Linear(d, p, bias=False)
+
+    def forward(self, x):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return F.silu(self.gate(y)) * self.up(y)
+
+
 class LogSoftmax(nn.Module):
     def forward(self, x, t):
         return F.log_softmax(x, dim=-1), F.cross_entropy(x, t)
@@ -107,6 +143,9 @@ PATTERNS = {  # name -> (model, inputs, cascades fused, ops every fused kernel m
     "layernorm_linear": (NormLinear("layernorm", True), (_x(2, 6, 48),), 1,
                          {"layer_norm", "matmul"}),
     "rmsnorm_linear": (NormLinear("rmsnorm", True), (_x(2, 6, 48),), 1, {"mean", "matmul"}),
+    "rmsnorm_linear_gelu_residual": (Epilogue(), (_x(2, 6, 48), _x(2, 6, 24)), 1,
+                                     {"mean", "matmul", "add", "gelu"}),
+    "gated_mlp": (GatedMLP(), (_x(2, 6, 48),), 1, {"mean", "matmul", "sigmoid", "multiply"}),
     "log_softmax_cross_entropy": (LogSoftmax(), (_x(8, 40), torch.arange(8) * 3), 2,
                                   {"log_softmax"}),
     "softmax_topk": (Router(), (_x(10, 8),), 2, set()),
@@ -127,6 +166,16 @@ def test_pattern_fused_and_matches_pytorch(name):
             assert ops <= {o.split()[0] for o in group.ops}, str(group)
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, **TOL)
+
+
+def test_epilogue_after_the_matmul_leaves_nothing_in_relax():
+    """Bias, GELU and residual are computed by the kernel: the fused module's main calls no
+    Relax op on the kernel's result but the reshape back."""
+    mod = import_torch(Epilogue().eval(), (_x(2, 6, 48), _x(2, 6, 24)))
+    fused, report = fuse_module(mod)
+    assert report.fused == 1, str(report)
+    text = fused["main"].script()
+    assert "R.nn.gelu" not in text and "R.add" not in text, text
 
 
 def test_router_fuses_topk_and_renormalisation():
@@ -237,13 +286,45 @@ def test_relax_native_rms_norm_and_variance():
     np.testing.assert_allclose(got[1], a.astype(np.float64).var(-1, keepdims=True), **TOL)
 
 
-def test_non_cpu_target_reports_and_keeps_the_module():
-    from redfuser.tvm_adapter import cuda_target, tvm
+def test_kernel_outputs_only_what_the_module_reads():
+    """Softmax's max and sum feed its per-element output alone: they stay in the kernel's
+    own buffers, and the call returns the softmax (one tensor, not a tuple with the
+    statistics)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((6, 40), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.softmax(x))
+        bb.emit_func_output(y)
+    fused, report = fuse_module(bb.get())
+    kernel = fused[report.groups[0].kernel]
+    assert len(kernel.params) == 2, kernel.script()  # x and the softmax
+    executable, _ = build(bb.get())
+    a = np.random.default_rng(4).normal(size=(6, 40)).astype("float32") * 10
+    ref = np.exp(a - a.max(1, keepdims=True))
+    np.testing.assert_allclose(run(executable, a), ref / ref.sum(1, keepdims=True), **TOL)
 
-    mod = import_torch(Attention("none"), _attention_args("none"))
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_cuda_target_in_scope_emits_cuda_kernels_that_compile_for_sm90():
+    """With a CUDA target in scope the pass builds the kernel with the CUDA backend; the
+    whole module then compiles for sm_90 and its CUDA source passes nvcc (no GPU here:
+    the numbers are checked by ``make gpu-check``)."""
+    mod = import_torch(Attention("additive"), _attention_args("additive"))
     with tvm.target.Target(cuda_target()):
         fused, report = fuse_module(mod)
-    assert (report.found, report.fused) == (1, 0) and "cuda" in report.groups[0].reason
+    assert (report.found, report.fused) == (1, 1), str(report)
+    assert "threadIdx.x" in fused[report.groups[0].kernel].script()
+    source = cuda_source(tvm.compile(fused, target=tvm.target.Target(cuda_target())))
+    assert report.groups[0].kernel in source
+    assert b".target sm_90" in nvcc_compile(source, arch="sm_90")
+
+
+def test_target_without_a_backend_reports_and_keeps_the_module():
+    mod = import_torch(Attention("none"), _attention_args("none"))
+    with tvm.target.Target("rocm"):
+        fused, report = fuse_module(mod)
+    assert (report.found, report.fused) == (1, 0) and "rocm" in report.groups[0].reason
     assert structural_equal(fused, mod)
 
 

@@ -26,6 +26,7 @@ class Backend:
     """One target (see the module docstring)."""
 
     name: str
+    tvm_kind: str  # the kind of TVM target (``Target.kind.name``) this backend serves
     tvm_target: Callable[[], dict]
     choose: Callable[..., Plan]
     variants: Mapping[str, Callable]
@@ -37,9 +38,9 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "cpu": Backend("cpu", cpu_target, cpu_plan.choose, cpu_variants.VARIANTS, True,
+    "cpu": Backend("cpu", "llvm", cpu_target, cpu_plan.choose, cpu_variants.VARIANTS, True,
                    cpu_plan.resident_fit, cpu_plan.dynamic_plan),
-    "cuda": Backend("cuda", cuda_target, cuda_plan.choose, cuda_variants.VARIANTS, False,
+    "cuda": Backend("cuda", "cuda", cuda_target, cuda_plan.choose, cuda_variants.VARIANTS, False,
                     cuda_plan.resident_fit),
 }
 
@@ -59,3 +60,16 @@ def backend(target: str) -> Backend:
     if target not in BACKENDS:
         raise ValueError(f"target must be one of {sorted(BACKENDS)}, not {target!r}")
     return BACKENDS[target]
+
+
+def backend_of_kind(kind: str | None) -> Backend | None:
+    """The backend for TVM target kind ``kind`` (None, no target in scope: the CPU's), or
+    None when no backend serves it.
+
+    Examples
+    --------
+    >>> backend_of_kind("cuda").name, backend_of_kind(None).name, backend_of_kind("metal")
+    ('cuda', 'cpu', None)
+    """
+    kind = kind or BACKENDS["cpu"].tvm_kind
+    return next((b for b in BACKENDS.values() if b.tvm_kind == kind), None)

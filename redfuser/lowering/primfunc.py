@@ -14,11 +14,14 @@ FUNC_NAME = "redfuser_kernel"
 
 
 def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC_NAME,
-                   target: str = "cpu", fixed_rows: frozenset = frozenset()):
-    """One PrimFunc whose arguments follow ``signature(rule, geo)``: inputs (R_in, L, F)
-    in sorted name order, then outputs in spec order; its body is the target's loop nest
-    of ``plan.variant``.  A dynamic plan makes every row axis and N a shape variable,
-    except the row axes in ``fixed_rows`` (indices), which keep their size in ``geo``.
+                   target: str = "cpu", fixed_rows: frozenset = frozenset(),
+                   keep: frozenset | None = None):
+    """One PrimFunc whose arguments follow ``signature(rule, geo, keep)``: inputs
+    (R_in, L, F) in sorted name order, then outputs in spec order; its body is the target's
+    loop nest of ``plan.variant``.  A dynamic plan makes every row axis and N a shape
+    variable, except the row axes in ``fixed_rows`` (indices), which keep their size in
+    ``geo``.  The results outside ``keep`` live in buffers the function allocates itself
+    (TVM's buffer compaction shrinks each to the rows one iteration touches).
 
     Examples
     --------
@@ -34,7 +37,7 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC
         rows = tuple(size if k in fixed_rows else shape_var(f"rows{k}", I64)
                      for k, size in enumerate(geo.rows))
         geo = symbolic_geometry(rule, geo, rows, shape_var("length", I64))
-    sig = signature(rule, geo)
+    sig = signature(rule, geo, keep)
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name(name)
@@ -51,6 +54,8 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC
                     elementwise[a.name] = buf
                 else:
                     results[a.name] = (buf, a.width)
+            for a in sig.internal:
+                results[a.name] = (T.alloc_buffer(a.shape, a.dtype), a.width)
             backend(target).variants[plan.variant](rule, geo, plan, bufs, results, elementwise)
     return ib.get()
 

@@ -36,10 +36,13 @@ class Arg:
 
 @dataclass(frozen=True)
 class Signature:
-    """The kernel's arguments: ``inputs`` then ``outputs``."""
+    """The kernel's arguments: ``inputs`` then ``outputs``; ``internal``: the per-row
+    results no caller reads, kept in the kernel's own scratch (the per-element outputs and
+    the kept results read them)."""
 
     inputs: tuple[Arg, ...]
     outputs: tuple[Arg, ...]
+    internal: tuple[Arg, ...] = ()
 
     @property
     def results(self) -> tuple[Arg, ...]:
@@ -50,29 +53,33 @@ class Signature:
         return tuple(a for a in self.outputs if a.elementwise)
 
 
-def signature(rule: FusionRule, geo: Geometry) -> Signature:
-    """The arguments of ``rule``'s kernel at ``geo``.
+def signature(rule: FusionRule, geo: Geometry, keep: frozenset | None = None) -> Signature:
+    """The arguments of ``rule``'s kernel at ``geo``; with ``keep``, only the per-row results
+    named in it are outputs (a Relax call that reads the softmax alone), the others become
+    ``internal``.  Per-element outputs are always outputs.
 
     Examples
     --------
     >>> import redfuser
     >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("moe_routing")
-    >>> sig = signature(rule, shape_geometry(rule, {"x": (4, 256)}))
-    >>> [(a.name, a.shape, a.dtype) for a in sig.outputs][2:]
+    >>> geo = shape_geometry(rule, {"x": (4, 256)})
+    >>> [(a.name, a.shape, a.dtype) for a in signature(rule, geo).outputs][2:]
     [('p', (4, 8), 'float32'), ('e', (4, 8), 'int64')]
+    >>> [a.name for a in signature(rule, geo, keep=frozenset({"e"})).internal]
+    ['m', 'd', 'p']
     """
     inputs = tuple(Arg(name, (g.count, g.length, g.width)) for name, g in
                    sorted(geo.inputs.items()))
-    outputs = []
+    outputs, internal = [], []
     for name in rule.outputs:
         if name in rule.cascade.elementwise:
             width = geo.d if is_vec(rule.cascade.elementwise[name], set(geo.vec)) else 1
             outputs.append(Arg(name, (geo.r, geo.n, width), F32, elementwise=True))
         else:
-            outputs.append(Arg(name, (geo.r, result_width(rule, geo, name)),
-                               result_dtype(rule, name)))
-    return Signature(inputs, tuple(outputs))
+            arg = Arg(name, (geo.r, result_width(rule, geo, name)), result_dtype(rule, name))
+            (outputs if keep is None or name in keep else internal).append(arg)
+    return Signature(inputs, tuple(outputs), tuple(internal))
 
 
 def param_shape(arg: Arg, geo: Geometry, inputs: bool) -> tuple:

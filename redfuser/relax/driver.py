@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..lowering.backends import BACKENDS, backend_of_kind
 from ..report import FuseReport, GroupReport
 from ..tvm_adapter import IRModule, current_target_kind, module_pass, relax
 from .frag import Unliftable
@@ -11,7 +12,6 @@ from .rewrite import check_kernel, derive_spec, kernel_for, splice
 from .symbolic import fuse_symbolic, symbolic_vars
 
 ROUNDS = 4  # lift again with more matmuls kept outside, at most this often per block
-CPU_KINDS = (None, "llvm")  # the kernels are built with the CPU variants
 
 
 def fuse_module(mod: IRModule, check_build: bool = True) -> tuple[IRModule, FuseReport]:
@@ -35,23 +35,37 @@ def fuse_module(mod: IRModule, check_build: bool = True) -> tuple[IRModule, Fuse
     """
     mod, entries = mod.clone(), []
     kind = current_target_kind()
-    refuse = "" if kind in CPU_KINDS else f"target {kind} in scope: the pass emits CPU " \
-                                          "(llvm) kernels only"
-    options = (check_build, refuse)
+    target = backend_of_kind(kind)
     for gv, func in list(mod.functions_items()):
         if not isinstance(func, relax.Function):
             continue
         before, symbolic = len(entries), bool(symbolic_vars(func))
+        why = _refusal(kind, target, symbolic)
+        options = (check_build, why, target.name if target else "")
         for index, block in enumerate(func.body.blocks):
-            if isinstance(block, relax.DataflowBlock) and symbolic and not refuse:
+            if not isinstance(block, relax.DataflowBlock):
+                continue
+            if symbolic and not why:
                 mod, found = fuse_symbolic(mod, gv, func, index, function_name(gv),
                                            (plan_block, _fresh), check_build)
                 entries += found
-            elif isinstance(block, relax.DataflowBlock):
+            else:
                 mod = _fuse_block(mod, gv, func, index, options, entries)
         if any(e.status == "fused" for e in entries[before:]):
             mod = _cleanup(mod, gv)
     return mod, FuseReport(tuple(entries))
+
+
+def _refusal(kind: str | None, target, symbolic: bool) -> str:
+    """Why no group of a function is tried with TVM target ``kind`` in scope (``target``:
+    its backend, None when none serves it), or ""."""
+    if target is None:
+        kinds = ", ".join(b.tvm_kind for b in BACKENDS.values())
+        return f"target {kind} in scope: the pass emits kernels for {kinds} only"
+    if symbolic and target.dynamic is None:
+        return f"symbolic shapes: the {target.name} backend builds kernels for static " \
+               "shapes only"
+    return ""
 
 
 def _fuse_block(mod: IRModule, gv, func, index: int, options: tuple, entries: list):
@@ -86,9 +100,10 @@ def plan_block(func, block) -> tuple[Lifter, list[BindingGroup]]:
 
 
 def apply_group(mod: IRModule, gv, index: int, group: BindingGroup, check_build: bool = True,
-                refuse: str = ""):
+                refuse: str = "", target: str = "cpu"):
     """Splice one group into a copy of ``mod``; the copy is returned only if it checks.
-    ``refuse``: a reason to report the group skipped without trying (e.g. the target)."""
+    ``refuse``: a reason to report the group skipped without trying (e.g. the target);
+    ``target``: the backend that builds the kernel."""
     fname = function_name(gv)
     entry = dict(function=fname, values=group.values, ops=group.ops, spec=group.spec)
     rule, reason = (None, refuse) if refuse else derive_spec(group.spec)
@@ -96,7 +111,7 @@ def apply_group(mod: IRModule, gv, index: int, group: BindingGroup, check_build:
         return mod, GroupReport(fused=False, reason=reason, **entry)
     name = _fresh(mod, f"redfuser_{fname}")
     try:
-        kernel = _checked_kernel(group, rule, name, check_build)
+        kernel = _checked_kernel(group, rule, name, check_build, target)
         bb = relax.BlockBuilder(mod.clone())
         kgv = bb.add_func(kernel.func, name)
         bb.update_func(gv, splice(bb.get()[gv], index, group, kgv, kernel))
@@ -110,10 +125,10 @@ def apply_group(mod: IRModule, gv, index: int, group: BindingGroup, check_build:
     return candidate, GroupReport(fused=True, reason=str(kernel.plan), kernel=name, **entry)
 
 
-def _checked_kernel(group: BindingGroup, rule, name: str, check_build: bool):
+def _checked_kernel(group: BindingGroup, rule, name: str, check_build: bool, target: str):
     """The group's kernel on the tuning database's plan; one that does not build falls
     back to the hand-written plan (a stale record never costs a model its fusion)."""
-    kernel = kernel_for(group, rule, name)
+    kernel = kernel_for(group, rule, name, target=target)
     if not check_build:
         return kernel
     try:
@@ -122,7 +137,7 @@ def _checked_kernel(group: BindingGroup, rule, name: str, check_build: bool):
     except Exception:  # noqa: BLE001 - TVM's own error classes; the hand-written plan decides
         if not kernel.tuned:
             raise
-    kernel = kernel_for(group, rule, name, tuned=False)
+    kernel = kernel_for(group, rule, name, tuned=False, target=target)
     check_kernel(kernel)
     return kernel
 

@@ -37,6 +37,12 @@ class BindingGroup:
     def values(self) -> tuple[str, ...]:
         return tuple(v.name for v, _ in self.sinks)
 
+    @property
+    def read(self) -> frozenset[str]:
+        """The spec outputs a Relax value takes: the kernel's outputs (the other results
+        stay inside it)."""
+        return frozenset(name for names in self.outputs.values() for name in names)
+
 
 def sinks(lf: Lifter) -> list:
     """Lifted values with a reduction that something outside their own lifting reads."""

@@ -160,6 +160,24 @@ class Lifter:
             raise Unliftable(f"{node.kind} value {node.shape} read as a row value {out}")
         return Operand(node.text, node.deps, reframe(node.frag, frame))
 
+    def feature(self, expr, out: tuple) -> Operand:
+        """``expr`` read as a per-row feature vector of shape ``out`` (..., D): a matmul's
+        result, a per-row value or a constant broadcast over the features, or an input
+        (a bias (D,), a residual (..., D)) read as a vector parameter."""
+        node = self.node(expr)
+        if node is not None and node.kind == "vec" and node.shape == tuple(out):
+            return Operand(node.text, node.deps, node.frag)
+        if node is not None or self.scalar(expr) is not None:
+            return self.row(expr, out[:-1] + (1,), True)
+        ext = self.ext(expr)
+        if ext.dtype != "float32":
+            raise Unliftable(f"input of dtype {ext.dtype} (the kernels compute in float32)")
+        rows = pad_shape(ext.shape, len(out), out)
+        vector = rows[-1] > 1
+        ref, frag = self.input(ext, "param", vector, rows[:-1], out[:-1], 0,
+                               out[-1] if vector else None)
+        return Operand(ref, frozenset(), frag)
+
     def _external(self, ext: Ext, out: tuple) -> Operand:
         if ext.dtype != "float32":
             raise Unliftable(f"input of dtype {ext.dtype} (the kernels compute in float32)")

@@ -140,12 +140,16 @@ def _terms(op: str, ops: list[Operand]) -> tuple:
 
 def _context(lf: Lifting, args, out: tuple) -> str:
     """Row arithmetic when every lifted operand is a per-row value of the output's shape;
-    per-element otherwise (row values then broadcast along the stream)."""
+    an epilogue on feature vectors when one is a matmul's result of that shape (a bias, an
+    activation, a residual after it); per-element otherwise (row values then broadcast
+    along the stream)."""
     nodes = [lf.nodes[a] for a in args if a in lf.nodes]
     if nodes and all(n.kind == "row" and len(n.shape) <= len(out)
                      and (1,) * (len(out) - len(n.shape)) + n.shape == tuple(out)
                      for n in nodes):
         return "row"
+    if any(n.kind == "vec" and n.shape == tuple(out) for n in nodes):
+        return "vec"
     if out and out[-1] > 1:
         return "elem"
     raise Unliftable(f"elementwise op of shape {out} on values that are not lifted")
@@ -156,7 +160,12 @@ def elementwise(lf: Lifting, call, ty) -> Node:
     if str(ty.dtype) != "float32":
         raise Unliftable(f"dtype {ty.dtype}")
     template = UNARY.get(op) or BINARY[op]
-    if _context(lf, call.args, out) == "row":
+    context = _context(lf, call.args, out)
+    if context == "vec":  # folded into the kernel's finalize, per feature
+        ops = [lf.feature(a, out) for a in call.args]
+        stmt, frag = _new(lf, template, ops, "epi", op, lf.combine(ops, out[:-1]))
+        return Node("vec", frag, stmt.name, frozenset({stmt.name}), out)
+    if context == "row":
         keep = bool(out) and out[-1] == 1
         ops = [lf.row(a, out, keep) for a in call.args]
         frame = out[:-1] if keep else out

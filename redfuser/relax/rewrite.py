@@ -20,7 +20,7 @@ from algebra.layout import Layout
 from ..lowering import Geometry, backend, build_primfunc, choose, geometry, signature
 from ..lowering.signature import param_shape
 from ..tune.search import tuned_plan
-from ..tvm_adapter import build, cpu_target, provably_equal, relax, with_root_block
+from ..tvm_adapter import build, provably_equal, relax, target_in_scope, with_root_block
 from .frag import Unliftable
 from .group import BindingGroup
 from .values import shape_of
@@ -48,6 +48,7 @@ class FusedFunc:
     outputs: tuple  # (spec name, shape, dtype) in the PrimFunc's order
     plan: object
     tuned: bool = False  # the plan came from the tuning database
+    target: str = "cpu"  # the backend that built it
 
 
 def group_geometry(group: BindingGroup, rule) -> Geometry:
@@ -64,19 +65,20 @@ def group_geometry(group: BindingGroup, rule) -> Geometry:
                                  vector))
 
 
-def kernel_for(group: BindingGroup, rule, name: str, tuned: bool = True) -> FusedFunc:
-    """The PrimFunc of ``rule`` on the group's shapes, following the tuning database's
-    plan for them when it has one (``redfuser tune --model``; ``tuned=False``: the
-    hand-written plan)."""
+def kernel_for(group: BindingGroup, rule, name: str, tuned: bool = True,
+               target: str = "cpu") -> FusedFunc:
+    """The PrimFunc of ``rule`` on the group's shapes for backend ``target``, following the
+    tuning database's plan for them when it has one (``redfuser tune --model``;
+    ``tuned=False``: the hand-written plan)."""
     geo = group_geometry(group, rule)
-    plan = tuned_plan(rule, geo, "cpu") if tuned else None
+    plan = tuned_plan(rule, geo, target) if tuned else None
     found = plan is not None
-    plan = plan or choose(rule, geo, target="cpu")
-    func = _relax_callee(build_primfunc(rule, geo, plan, name, "cpu"))
+    plan = plan or choose(rule, geo, target=target)
+    func = _relax_callee(build_primfunc(rule, geo, plan, name, target, keep=group.read))
     inputs = tuple((nm, group.frag.inputs[nm], (g.count, g.length, g.width))
                    for nm, g in sorted(geo.inputs.items()))
-    outputs = tuple((a.name, a.shape, a.dtype) for a in signature(rule, geo).outputs)
-    return FusedFunc(name, func, inputs, outputs, plan, found)
+    outputs = tuple((a.name, a.shape, a.dtype) for a in signature(rule, geo, group.read).outputs)
+    return FusedFunc(name, func, inputs, outputs, plan, found, target)
 
 
 def dynamic_kernel_for(group: BindingGroup, rule, name: str, dims) -> FusedFunc:
@@ -88,7 +90,7 @@ def dynamic_kernel_for(group: BindingGroup, rule, name: str, dims) -> FusedFunc:
     # static row axes stay static: fewer shape variables in every index (LLVM took 160 s
     # on attention with rows (1, H, L) all symbolic, 6 s with only L)
     fixed = frozenset(k for k, size in enumerate(geo.rows) if isinstance(dims(size), int))
-    func = _relax_callee(build_primfunc(rule, geo, plan, name, "cpu", fixed))
+    func = _relax_callee(build_primfunc(rule, geo, plan, name, "cpu", fixed, group.read))
     return FusedFunc(name, func, *dynamic_call_shapes(group, rule, dims), plan)
 
 
@@ -96,7 +98,7 @@ def dynamic_call_shapes(group: BindingGroup, rule, dims) -> tuple[tuple, tuple]:
     """(inputs, outputs) of ``FusedFunc`` for the dynamic kernel of ``group``: every
     argument's shape with its row axes apart (``signature.param_shape``), through ``dims``."""
     geo = group_geometry(group, rule)
-    sig = signature(rule, geo)
+    sig = signature(rule, geo, group.read)
     inputs = tuple((a.name, group.frag.inputs[a.name],
                     tuple(dims(v) for v in param_shape(a, geo, True))) for a in sig.inputs)
     outputs = tuple((a.name, tuple(dims(v) for v in param_shape(a, geo, False)), a.dtype)
@@ -113,8 +115,9 @@ def _relax_callee(func):
 
 
 def check_kernel(kernel: FusedFunc):
-    """Compile the PrimFunc alone: a kernel TVM cannot build never enters the module."""
-    build(kernel.func, cpu_target())
+    """Compile the PrimFunc alone, for the target in scope (else its backend's default):
+    a kernel TVM cannot build never enters the module."""
+    build(kernel.func, target_in_scope() or backend(kernel.target).tvm_target())
 
 
 def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
@@ -131,7 +134,8 @@ def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
     args = [bind(relax.op.reshape(_prepared(inp, shape, bind), shape), f"{kernel.name}_{nm}")
             for nm, inp, shape in kernel.inputs]
     types = [relax.TensorType(shape, dtype) for _, shape, dtype in kernel.outputs]
-    call = bind(relax.call_tir(gv, args, types), kernel.name)
+    # one output: call_tir's value is that tensor, not a tuple of one
+    call = bind(relax.call_tir(gv, args, types if len(types) > 1 else types[0]), kernel.name)
     index = {name: k for k, (name, _, _) in enumerate(kernel.outputs)}
     for var, node in group.sinks:
         parts = []
@@ -140,7 +144,8 @@ def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
             if not provably_equal(prod(shape), prod(kernel.outputs[index[out]][1])):
                 raise Unliftable(f"output {var.name} {shape} does not match the kernel's "
                                  f"{kernel.outputs[index[out]][1]}")
-            item = bind(relax.TupleGetItem(call, index[out]), f"{kernel.name}_{out}")
+            item = call if len(types) == 1 else bind(relax.TupleGetItem(call, index[out]),
+                                                     f"{kernel.name}_{out}")
             parts.append(_output(item, shape, field.perm, bind))
         value = parts[0] if len(parts) == 1 else relax.Tuple(
             [bind(p, f"{var.name}_{k}") for k, p in enumerate(parts)])

@@ -72,14 +72,15 @@ def fused_stmt(group: Group, target: str, fast_math: bool = True):
             bufs = {k: view(k, (g.count, g.length, g.width), g.rows) for k, g in
                     sorted(geo.inputs.items())}
             results, elementwise = {}, {}
-            for a in signature(rule, geo).outputs:
+            sig = signature(rule, geo, frozenset(n for n, a in by_name.items() if a.needed))
+            for a in sig.outputs:
                 _check_width(a, by_name[a.name], frame)
                 if a.elementwise:
                     elementwise[a.name] = view(a.name, a.shape, frame.rows)
-                elif by_name[a.name].needed:
-                    results[a.name] = (view(a.name, a.shape, frame.rows, a.dtype), a.width)
                 else:
-                    results[a.name] = (T.alloc_buffer(a.shape, a.dtype), a.width)
+                    results[a.name] = (view(a.name, a.shape, frame.rows, a.dtype), a.width)
+            for a in sig.internal:  # results the function never reads again
+                results[a.name] = (T.alloc_buffer(a.shape, a.dtype), a.width)
             backend(target).variants[plan.variant](rule, geo, plan, bufs, results, elementwise)
     return _remap(ib.get().body, views), plan
 
