@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+JOBS ?= 2  # pytest workers (pytest-xdist): the suite's builds are single-threaded LLVM runs
 
 .PHONY: demo test gpu-check bench clean
 
@@ -18,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check redfuser algebra tests
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(JOBS) --durations=25
 
 gpu-check: $(STAMP)
 	$(PY) -m redfuser.tools.gpucheck

@@ -105,6 +105,16 @@ class GatedMLP(nn.Module):
         return F.silu(self.gate(y)) * self.up(y)
 
 
+class GroupedQueryAttention(nn.Module):
+    """K/V repeated for the query heads as transformers' ``repeat_kv`` writes it."""
+
+    def forward(self, q, k, v):
+        b, hk, n, d = k.shape
+        g = q.shape[1] // hk
+        k, v = (t[:, :, None].expand(b, hk, g, n, d).reshape(b, hk * g, n, d) for t in (k, v))
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d), dim=-1) @ v
+
+
 class LogSoftmax(nn.Module):
     def forward(self, x, t):
         return F.log_softmax(x, dim=-1), F.cross_entropy(x, t)
@@ -176,6 +186,20 @@ def test_epilogue_after_the_matmul_leaves_nothing_in_relax():
     assert report.fused == 1, str(report)
     text = fused["main"].script()
     assert "R.nn.gelu" not in text and "R.add" not in text, text
+
+
+def test_grouped_query_attention_reads_k_and_v_without_the_repeat():
+    """One kernel for scores, softmax and P.V; K and V are read as they are before the
+    repeat (each row shared by the query heads of its group), so no broadcast is left."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 16, 8, generator=g)
+    k, v = (torch.randn(2, 2, 24, 8, generator=g) for _ in range(2))
+    fused, report = fuse_module(import_torch(GroupedQueryAttention(), (q, k, v)))
+    assert report.fused == 1 and {"matmul", "softmax"} <= {
+        o.split()[0] for o in report.groups[0].ops}, str(report)
+    assert "R.broadcast_to" not in fused["main"].script()
+    report, got, expected = _fused(GroupedQueryAttention(), (q, k, v))
+    np.testing.assert_allclose(got[0], expected[0], **TOL)
 
 
 def test_router_fuses_topk_and_renormalisation():

@@ -135,8 +135,39 @@ def reframe(frag: Frag, frame: tuple[int, ...]) -> Frag:
     return replace(frag, frame=frame, inputs=inputs)
 
 
+def fit(frag: Frag, frame: tuple[int, ...]) -> Frag:
+    """``frag`` on ``frame``, or on its own frame when that has as many rows and one of its
+    inputs cannot be read on ``frame`` (grouped-query K/V: rows (B, Hkv, 1, 1) of the frame
+    (B, Hkv, G, L), where the Relax value is (B, H, L)): both frames order the rows alike,
+    so the value is the same; ``merge`` then picks the frame every fragment reads on."""
+    try:
+        return reframe(frag, frame)
+    except Unliftable:
+        if prod(frag.frame) != prod(frame):
+            raise
+        return frag
+
+
+def _common_frame(frags: list[Frag], frame: tuple[int, ...]) -> tuple[int, ...]:
+    """``frame``, else the first frame of a fragment with as many rows on which every
+    fragment can be read (else ``frame``: ``merge`` then raises the reason)."""
+    frame = tuple(frame)
+    for candidate in dict.fromkeys([frame, *(f.frame for f in frags)]):
+        if prod(candidate) != prod(frame):
+            continue
+        try:
+            for f in frags:
+                reframe(f, candidate)
+        except Unliftable:
+            continue
+        return candidate
+    return frame
+
+
 def merge(frags: list[Frag], frame: tuple[int, ...], n: int) -> Frag:
-    """One fragment holding all of ``frags`` on ``frame`` (stream length ``n``)."""
+    """One fragment holding all of ``frags`` on ``frame`` (stream length ``n``), or on a
+    frame with as many rows that reads them all (``fit``)."""
+    frame = _common_frame(frags, frame)
     stmts, inputs, d, dots = {}, {}, None, frozenset()
     for f in frags:
         dots |= f.dots

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..tvm_adapter import GenericConst, relax
-from .frag import Frag, Input, Stmt, Unliftable, merge, reframe
+from .frag import Frag, Input, Stmt, Unliftable, fit, merge
 from .ops import OPS, SEEDS, unlifted_reason
 from .values import Ext, Node, Operand, literal, pad_shape, static_shape
 
@@ -137,10 +137,10 @@ class Lifter:
     def _node_elem(self, node: Node, out: tuple) -> Operand:
         frame, n = out[:-1], out[-1]
         if node.kind == "row" and node.shape and node.shape[-1] == 1 and len(node.shape) > 1:
-            return Operand(node.text, node.deps, reframe(node.frag, frame))
+            return Operand(node.text, node.deps, fit(node.frag, frame))
         if node.kind != "elem" or node.shape[-1] != n or node.frag.n != n or node.perm:
             raise Unliftable(f"a {node.kind} value {node.shape} read per element of {out}")
-        return Operand(node.text, node.deps, reframe(node.frag, frame), node.terms, node.dots)
+        return Operand(node.text, node.deps, fit(node.frag, frame), node.terms, node.dots)
 
     def row(self, expr, out: tuple, keep: bool) -> Operand:
         """``expr`` read once per row; ``out`` is the row value's shape (keep: trailing 1)."""
@@ -158,7 +158,7 @@ class Lifter:
             return Operand(ref, frozenset(), frag)
         if node.kind != "row" or pad_shape(node.shape, len(out), out) != tuple(out):
             raise Unliftable(f"{node.kind} value {node.shape} read as a row value {out}")
-        return Operand(node.text, node.deps, reframe(node.frag, frame))
+        return Operand(node.text, node.deps, fit(node.frag, frame))
 
     def feature(self, expr, out: tuple) -> Operand:
         """``expr`` read as a per-row feature vector of shape ``out`` (..., D): a matmul's

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 from string import Formatter
 
-from ..tvm_adapter import relax
 from .attention import attention
 from .axes import VIEWS, View, axes_view, read_data, read_weight, weight_shape
-from .frag import Unliftable, merge, reframe
-from .idioms import GUARD, guard_of, safe_softmax
-from .values import MAX_TERMS, Ext, Lifting, Node, Operand, literal, pad_shape, static_shape
+from .frag import Unliftable, fit, merge
+from .idioms import safe_softmax
+from .products import matmul
+from .values import MAX_TERMS, Ext, Lifting, Node, Operand, literal, static_shape
 
 UNARY = {  # Relax op -> spec template of its operand {0}
     "relax.exp": "exp({0})",
@@ -227,82 +227,6 @@ def _affine(lf: Lifting, call, value: Node, view: View) -> Node:
     return value
 
 
-def matmul(lf: Lifting, call, ty) -> Node:
-    a, b = call.args
-    out, sa, sb = static_shape(ty), static_shape(a.ty), static_shape(b.ty)
-    if len(sa) < 2 or len(sb) < 2 or str(ty.dtype) != "float32":
-        raise Unliftable("not a float32 matrix product")
-    node = lf.nodes.get(a)
-    if node is not None and node.kind == "elem" and node.frag.reduces:
-        return _contract(lf, a, b, sb, out)
-    if lf.current in lf.materialise:
-        raise Unliftable("kept as a matmul (its scores are needed outside)")
-    if node is not None and node.frag.reduces:
-        raise Unliftable("a reduced value used as a matrix")
-    return _dot(lf, a, b, sa, sb, out)
-
-
-def _contract(lf: Lifting, a, b, sb: tuple, out: tuple) -> Node:
-    """A streamed left side times a weight: sum over the stream of a[i] * w[i, :]."""
-    k, p = sb[-2], sb[-1]
-    if p < 2:
-        raise Unliftable("a product with a single column")
-    e = lf.elem(a, out[:-1] + (k,))
-    frame = out[:-1]
-    rows = pad_shape(sb[:-2], len(frame) - 1, out[:-2]) + (1,)
-    ref, wfrag = lf.input(lf.ext(b), "stream", True, rows, frame, k, p)
-    frag = merge([e.frag, wfrag], frame, k)
-    if frag.d != p:
-        raise Unliftable(f"two feature lengths ({frag.d} and {p}) in one kernel")
-    guard = None if e.terms else guard_of(frag.stmts.get(e.text))
-    terms = ((guard[1], frozenset({guard[1]})),) if guard else e.term_list()
-    text = " + ".join(f"sum(({t}) * {ref})" for t, _ in terms)
-    stmt = lf.stmt(text, "red", frozenset().union(*(d for _, d in terms)), "relax.matmul")
-    frag = frag.with_stmt(stmt)
-    if guard:  # a safe softmax's rows with no visible key give 0
-        stmt = lf.stmt(GUARD.format(d=guard[0], p=stmt.name), "epi",
-                       {guard[0], stmt.name}, "relax.matmul")
-        frag = frag.with_stmt(stmt)
-    return Node("vec", frag, stmt.name, frozenset({stmt.name}), out)
-
-
-def _dot(lf: Lifting, a, b, sa: tuple, sb: tuple, out: tuple) -> Node:
-    """Scores q @ k^T: one element of the stream per column, dot(q[:], k[i, :])."""
-    m, k, p = sa[-2], sa[-1], sb[-1]
-    if p < 2 or k < 2:
-        raise Unliftable("a product with a single row or column")
-    frame = out[:-1]
-    arows = pad_shape(sa[:-2], len(out) - 2, out[:-2]) + (m,)
-    brows = pad_shape(sb[:-2], len(out) - 2, out[:-2]) + (1,)
-    aref, afrag = lf.input(lf.ext(a), "param", True, arows, frame, p, k)
-    bref, bfrag = lf.input(_transposed(lf, b), "stream", True, brows, frame, p, k)
-    frag = merge([afrag, bfrag], frame, p)
-    stmt = lf.stmt(f"dot({aref}, {bref})", "let", frozenset(), "relax.matmul")
-    frag = dataclasses.replace(frag.with_stmt(stmt), dots=frozenset({lf.current}))
-    return Node("elem", frag, stmt.name, frozenset({stmt.name}), out,
-                dots=frozenset({lf.current}))
-
-
-def _transposed(lf: Lifting, b) -> Ext:
-    """b with its last two axes swapped: the producer's input when b is a transpose (seen
-    through reshapes of the leading axes and same-shape broadcasts), else a permute_dims."""
-    expr, shape = b, static_shape(b.ty)
-    while isinstance(call := lf.values.get(expr), relax.Call) and lf.visible(call.args[0]):
-        op, inner = call.op.name, static_shape(call.args[0].ty)
-        rank = len(shape)
-        if op == "relax.permute_dims":
-            axes = list(call.attrs.axes) if call.attrs.axes is not None else None
-            if axes == [*range(rank - 2), rank - 1, rank - 2] or (axes is None and rank == 2):
-                return lf.ext(call.args[0])
-            break
-        keeps = op == "relax.reshape" and inner[-2:] == shape[-2:]
-        if not (keeps or (op == "relax.broadcast_to" and inner == shape)):
-            break
-        expr, shape = call.args[0], inner
-    sb = static_shape(b.ty)
-    return Ext(b, sb[:-2] + (sb[-1], sb[-2]), str(b.ty.dtype), ("T",))
-
-
 def topk(lf: Lifting, call, ty) -> Node:
     data, attrs = call.args[0], call.attrs
     shape, k = static_shape(data.ty), int(attrs.k)
@@ -384,7 +308,7 @@ def gather(lf: Lifting, call, ty) -> Node:
 
 
 def reshape(lf: Lifting, call, ty) -> Node:
-    """Shape ops on a lifted value: the stream axis stays, the rows move (frag.reframe)."""
+    """Shape ops on a lifted value: the stream axis stays, the rows move (frag.fit)."""
     node = lf.node(call.args[0])
     if node is None or node.kind == "tuple":
         raise Unliftable("not a lifted value")
@@ -404,7 +328,7 @@ def reshape(lf: Lifting, call, ty) -> Node:
         frame = out[:-1]
     else:
         raise Unliftable(f"a reshape {node.shape} -> {out} that moves the stream axis")
-    return dataclasses.replace(node, frag=reframe(node.frag, frame), shape=out)
+    return dataclasses.replace(node, frag=fit(node.frag, frame), shape=out)
 
 
 OPS = {
