@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-JOBS ?= 2  # pytest workers (pytest-xdist): the suite's builds are single-threaded LLVM runs
+# pytest workers (pytest-xdist): the suite's builds are single-threaded LLVM runs
+JOBS ?= 2
 
 .PHONY: demo test gpu-check bench clean
 
