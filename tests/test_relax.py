@@ -310,20 +310,25 @@ def test_relax_native_rms_norm_and_variance():
     np.testing.assert_allclose(got[1], a.astype(np.float64).var(-1, keepdims=True), **TOL)
 
 
-def test_kernel_outputs_only_what_the_module_reads():
-    """Softmax's max and sum feed its per-element output alone: they stay in the kernel's
-    own buffers, and the call returns the softmax (one tensor, not a tuple with the
-    statistics)."""
+def _softmax_module(shape: tuple):
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((6, 40), "float32"))
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
             y = bb.emit_output(relax.op.nn.softmax(x))
         bb.emit_func_output(y)
-    fused, report = fuse_module(bb.get())
+    return bb.get()
+
+
+def test_kernel_outputs_only_what_the_module_reads():
+    """Softmax's max and sum feed its per-element output alone: they stay in the kernel's
+    own buffers, and the call returns the softmax (one tensor, not a tuple with the
+    statistics)."""
+    mod = _softmax_module((6, 40))
+    fused, report = fuse_module(mod)
     kernel = fused[report.groups[0].kernel]
     assert len(kernel.params) == 2, kernel.script()  # x and the softmax
-    executable, _ = build(bb.get())
+    executable, _ = build(mod)
     a = np.random.default_rng(4).normal(size=(6, 40)).astype("float32") * 10
     ref = np.exp(a - a.max(1, keepdims=True))
     np.testing.assert_allclose(run(executable, a), ref / ref.sum(1, keepdims=True), **TOL)
@@ -378,13 +383,7 @@ def test_run_takes_numpy_arrays_at_any_16_byte_alignment(fused):
     """Regression (shared repro relax_run_segfault.py): TVM's own kernels in a Relax
     executable assume 64-byte aligned tensors; ``run`` used to hand over numpy's memory as
     it was and crashed the interpreter at addresses 16, 32 or 48 mod 64."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((64, 1024), "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit_output(relax.op.nn.softmax(x))
-        bb.emit_func_output(y)
-    executable, _ = build(bb.get(), fuse=fused)
+    executable, _ = build(_softmax_module((64, 1024)), fuse=fused)
     raw = np.random.default_rng(0).normal(size=64 * 1024 + 16).astype(np.float32)
     for offset in range(4):  # 0, 16, 32 and 48 bytes past wherever raw starts
         a = raw[4 * offset:4 * offset + 64 * 1024].reshape(64, 1024)
