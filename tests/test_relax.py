@@ -330,7 +330,7 @@ def test_kernel_outputs_only_what_the_module_reads():
     assert len(kernel.params) == 2, kernel.script()  # x and the softmax
     executable, _ = build(mod)
     a = np.random.default_rng(4).normal(size=(6, 40)).astype("float32") * 10
-    ref = np.exp(a - a.max(1, keepdims=True))
+    ref = np.exp(a.astype(np.float64) - a.max(1, keepdims=True))  # the float64 reference
     np.testing.assert_allclose(run(executable, a), ref / ref.sum(1, keepdims=True), **TOL)
 
 

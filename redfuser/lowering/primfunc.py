@@ -20,8 +20,8 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC
     (R_in, L, F) in sorted name order, then outputs in spec order; its body is the target's
     loop nest of ``plan.variant``.  A dynamic plan makes every row axis and N a shape
     variable, except the row axes in ``fixed_rows`` (indices), which keep their size in
-    ``geo``.  The results outside ``keep`` live in buffers the function allocates itself
-    (TVM's buffer compaction shrinks each to the rows one iteration touches).
+    ``geo``.  The results outside ``keep`` live in (R, width) buffers the function
+    allocates itself (a workspace per call: the caller never sees them).
 
     Examples
     --------

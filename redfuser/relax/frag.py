@@ -148,35 +148,32 @@ def fit(frag: Frag, frame: tuple[int, ...]) -> Frag:
         return frag
 
 
-def _common_frame(frags: list[Frag], frame: tuple[int, ...]) -> tuple[int, ...]:
-    """``frame``, else the first frame of a fragment with as many rows on which every
-    fragment can be read (else ``frame``: ``merge`` then raises the reason)."""
+def _on_common_frame(frags: list[Frag], frame: tuple[int, ...]) -> tuple[tuple, list | None]:
+    """(frame, ``frags`` on it): ``frame``, else the first frame of a fragment with as many
+    rows on which every fragment can be read; (``frame``, None) when none can."""
     frame = tuple(frame)
     for candidate in dict.fromkeys([frame, *(f.frame for f in frags)]):
-        if prod(candidate) != prod(frame):
-            continue
-        try:
-            for f in frags:
-                reframe(f, candidate)
-        except Unliftable:
-            continue
-        return candidate
-    return frame
+        if prod(candidate) == prod(frame):
+            try:
+                return candidate, [reframe(f, candidate) for f in frags]
+            except Unliftable:
+                continue
+    return frame, None
 
 
 def merge(frags: list[Frag], frame: tuple[int, ...], n: int) -> Frag:
     """One fragment holding all of ``frags`` on ``frame`` (stream length ``n``), or on a
     frame with as many rows that reads them all (``fit``)."""
-    frame = _common_frame(frags, frame)
+    frame, on_frame = _on_common_frame(frags, frame)
     stmts, inputs, d, dots = {}, {}, None, frozenset()
-    for f in frags:
+    for k, f in enumerate(frags):
         dots |= f.dots
         if f.n not in (0, n):  # 0: parameters only, read on any stream
             raise Unliftable(f"stream lengths {f.n} and {n} differ")
         if f.d is not None and d is not None and f.d != d:
             raise Unliftable(f"two feature lengths ({d} and {f.d}) in one kernel")
         d = f.d if f.d is not None else d
-        f = reframe(f, frame)
+        f = on_frame[k] if on_frame else reframe(f, frame)  # the latter raises the reason
         for name, inp in f.inputs.items():
             if name in inputs and inputs[name].rows != inp.rows:
                 raise Unliftable(f"input {name} read with rows {inputs[name].rows} and "

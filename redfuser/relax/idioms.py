@@ -8,8 +8,7 @@ its *safe* softmax, which gives 0 instead of NaN in a row whose keys are all mas
 The flag says "every score of this row is -inf", which is exactly "the softmax's sum of
 exponentials is 0" under the kernels' select semantics (a masked slot adds nothing).  So
 the whole chain lifts as ``where(d > 0, p, 0)`` with ``d`` the softmax's own sum: one
-statement, no int8 reduction, and the P.V matmul after it fuses into the same kernel
-(where V is read in place: Llama's GQA repeat of V before it keeps P.V apart today).
+statement, no int8 reduction, and the P.V matmul after it fuses into the same kernel.
 """
 
 from __future__ import annotations

@@ -169,9 +169,7 @@ class Lifter:
             return Operand(node.text, node.deps, node.frag)
         if node is not None or self.scalar(expr) is not None:
             return self.row(expr, out[:-1] + (1,), True)
-        ext = self.ext(expr)
-        if ext.dtype != "float32":
-            raise Unliftable(f"input of dtype {ext.dtype} (the kernels compute in float32)")
+        ext = _float32(self.ext(expr))
         rows = pad_shape(ext.shape, len(out), out)
         vector = rows[-1] > 1
         ref, frag = self.input(ext, "param", vector, rows[:-1], out[:-1], 0,
@@ -179,9 +177,7 @@ class Lifter:
         return Operand(ref, frozenset(), frag)
 
     def _external(self, ext: Ext, out: tuple) -> Operand:
-        if ext.dtype != "float32":
-            raise Unliftable(f"input of dtype {ext.dtype} (the kernels compute in float32)")
-        shape = pad_shape(ext.shape, len(out), out)
+        shape = pad_shape(_float32(ext).shape, len(out), out)
         if shape[-1] == out[-1] and out[-1] > 1:
             ref, frag = self.input(ext, "stream", False, shape[:-1], out[:-1], out[-1])
         elif shape[-1] == 1:
@@ -199,6 +195,12 @@ class Lifter:
         if len(lengths) > 1:
             raise Unliftable(f"stream lengths {sorted(lengths)} differ")
         return merge(frags, tuple(frame), lengths.pop() if lengths else 0)
+
+
+def _float32(ext: Ext) -> Ext:
+    if ext.dtype != "float32":
+        raise Unliftable(f"input of dtype {ext.dtype} (the kernels compute in float32)")
+    return ext
 
 
 def _same_shape(a, b) -> bool:
