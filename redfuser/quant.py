@@ -11,7 +11,8 @@ with ``x`` float32 (*rows, K), ``wq`` int8 (K, N), ``ws`` float32 (N,), ``y`` fl
 (*rows, N).  The quantized values are numpy's float32 evaluation of the same expression,
 their products with the weights are summed exactly in int32, and the scaling is the
 spec's, left to right in float32: ``y`` is bit-identical to numpy quantize-then-GEMM.  The
-kernel (``lowering.cpu.int8``) uses AVX-512 VNNI where the CPU has it, AVX2 otherwise.
+kernel (``lowering.cpu.int8``) uses AMX tiles where the CPU has them and Linux grants them to
+the process, AVX-512 VNNI where the CPU has it, AVX2 otherwise.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from .lowering.cpu.int8 import DotIsa, isa_for, scratch_shapes
 from .lowering.cpu.int8 import quant_gemm as quant_gemm_func
 from .tvm_adapter import (
     build,
-    cpu_target,
+    cpu_has,
     device,
     empty_aligned,
     from_numpy,
+    host_grants_amx,
+    host_int8_target,
     host_source,
     time_ms,
 )
@@ -92,9 +95,16 @@ class QuantGemm:
     True
     """
 
-    def __init__(self, target: dict | None = None):
-        self.target = target or cpu_target()
-        self.isa: DotIsa = isa_for(self.target)
+    def __init__(self, target: dict | None = None, isa: DotIsa | None = None):
+        """``target``: the host CPU by default (with AMX where granted); ``isa``: one of
+        ``lowering.cpu.int8.ISAS`` the target has (default: the best)."""
+        self.target = target or host_int8_target()
+        self.isa: DotIsa = isa or isa_for(self.target)
+        if not cpu_has(self.target, self.isa.feature):
+            raise ValueError(f"target {self.target} has no {self.isa.feature} for {self.isa.name}")
+        if self.isa.tiles and not host_grants_amx():  # the kernels run here: SIGILL
+            raise RuntimeError(f"target {self.target} has AMX, and this process may not use "
+                               "AMX tiles (Linux refused ARCH_REQ_XCOMP_PERM)")
         self.range = integer_product_range()  # the proof the int32 sums rest on
         self._built: dict[tuple, tuple] = {}
         self._last = None

@@ -6,10 +6,13 @@ one file.  See docs/TVM-NOTES.md for why each choice is what it is.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import platform
 import socket
 import struct
+import sys
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -44,6 +47,29 @@ def default_threads() -> int:
 def cpu_target() -> dict:
     """The host CPU by name: "native" and plain "llvm" silently give generic SSE code."""
     return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
+
+
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
+AMX_FEATURES = ("+amx-tile", "+amx-int8")
+
+
+@lru_cache(maxsize=1)
+def host_grants_amx() -> bool:
+    """Does Linux let this process use AMX tiles?  It must ask first (ARCH_REQ_XCOMP_PERM
+    for XTILEDATA, granted to every thread of the process); a tile instruction without the
+    grant is SIGILL.  The kernel refuses when the CPU or the hypervisor has no AMX."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+
+
+def host_int8_target() -> dict:
+    """The host CPU with AMX's features where the process is granted the tiles: LLVM names
+    the CPU by its model, and a virtual machine's model can lack the AMX its CPU has."""
+    if host_grants_amx():
+        return {**cpu_target(), "mattr": list(AMX_FEATURES)}
+    return cpu_target()
 
 
 def cpu_has(target: dict, feature: str) -> bool:

@@ -1,6 +1,6 @@
 """Quantization in the spec language and the int8 path: ``round`` (half to even, as numpy
-and torch), ``clip(x, lo, hi)`` (numpy's ``np.clip``), the VNNI int8 GEMM micro-kernel and
-the per-token quantization + GEMM kernel, against numpy.
+and torch), ``clip(x, lo, hi)`` (numpy's ``np.clip``), the int8 GEMM micro-kernels (AMX tiles, VNNI,
+AVX2: each one this CPU can run) and the per-token quantization + GEMM kernel, against numpy.
 
 Exactness is the point here, so most comparisons are ``array_equal``: rounding and clipping
 are exact in float32, an int8 x int8 product accumulated in int32 is exact for any K below
@@ -26,10 +26,11 @@ from redfuser.lowering.cuda.fp8 import fp8_quant_gemm
 from redfuser.quant import QUANT_GEMM_SPEC, QuantGemm, integer_product_range, quant_gemm
 from redfuser.tvm_adapter import (
     build,
-    cpu_target,
+    cpu_has,
     cuda_source,
     cuda_target,
     from_numpy,
+    host_int8_target,
     host_source,
     nvcc_compile,
 )
@@ -80,27 +81,42 @@ def test_clip_facts_and_errors():
 
 # -- the integer GEMM ----------------------------------------------------------------------------
 
-HOST_ISA = isa_for(cpu_target())
+HOST = host_int8_target()
+HOST_ISAS = [isa for isa in ISAS if cpu_has(HOST, isa.feature)]  # every one this CPU runs
 VNNI_CPU = {"kind": "llvm", "mcpu": "icelake-server"}  # any AVX-512 VNNI CPU LLVM knows
+AMX_CPU = {"kind": "llvm", "mcpu": "sapphirerapids"}  # any AMX CPU LLVM knows
 
 
 def _run(func, name: str, arrays: list[np.ndarray], target=None):
-    ex = build(func, target or cpu_target())
+    ex = build(func, target or HOST)
     ex[name](*(from_numpy(a) for a in arrays))
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(7, 37, 70), (12, 130, 128), (5, 1100, 40), (1, 1, 1)])
-def test_int8_gemm_is_exact(m, k, n):
+@pytest.mark.parametrize("isa", HOST_ISAS, ids=lambda isa: isa.name)
+@pytest.mark.parametrize(("m", "k", "n"), [(7, 37, 70), (12, 130, 128), (5, 1100, 40), (1, 1, 1),
+                                           (40, 200, 100)])
+def test_int8_gemm_is_exact(isa, m, k, n):
     """Every int8 pair, the extremes included (-128 * -128 summed K times), equals numpy's
-    int32 product; m, k, n off the block sizes exercise the row, K and column tails."""
+    int32 product; m, k, n off the block sizes exercise the row, K and column tails (AMX:
+    a second row block, padding rows and a zero panel past N)."""
     rng = np.random.default_rng(m * k * n)
     q = rng.integers(-128, 128, (m, k), dtype=np.int8)
     w = rng.integers(-128, 128, (k, n), dtype=np.int8)
     q[0, :], w[:, 0] = -128, -128
     y = np.zeros((m, n), np.int32)
-    scratch = [np.zeros(s, d) for s, d in scratch_shapes(HOST_ISA, m, k, n).values()]
-    _run(int8_gemm(HOST_ISA, m, k, n), "int8_gemm", [q, w, y, *scratch])
+    # scratch full of garbage: the kernel must write every word it reads
+    scratch = [np.full(s, 0x5A, d) for s, d in scratch_shapes(isa, m, k, n).values()]
+    _run(int8_gemm(isa, m, k, n), "int8_gemm", [q, w, y, *scratch])
     np.testing.assert_array_equal(y, q.astype(np.int32) @ w.astype(np.int32))
+
+
+def test_amx_kernel_uses_tiles():
+    """The AMX micro-kernel, built for an AMX CPU (compiled, not run: this one may lack it):
+    2 x 2 tile products per 64 k values, the tiles configured and released per task."""
+    assert isa_for(AMX_CPU).name == "amx-int8"
+    asm = host_source(build(quant_gemm_func(isa_for(AMX_CPU), 40, 130, 70), AMX_CPU), "asm")
+    assert asm.count("tdpbssd") >= 4 and "tileloadd" in asm and "tilestored" in asm
+    assert "ldtilecfg" in asm and "tilerelease" in asm and "vpdpbusd" not in asm
 
 
 def test_vnni_kernel_uses_vpdpbusd():
@@ -113,7 +129,7 @@ def test_vnni_kernel_uses_vpdpbusd():
 
 def test_int32_overflow_is_refused():
     with pytest.raises(ValueError, match="exceeds"):
-        int8_gemm(HOST_ISA, 1, HOST_ISA.max_k + 1, 16)
+        int8_gemm(HOST_ISAS[0], 1, HOST_ISAS[0].max_k + 1, 16)
     assert all(isa.max_k >= 65536 for isa in ISAS)  # every K a model uses
 
 
@@ -129,8 +145,9 @@ def numpy_quant_gemm(x: np.ndarray, wq: np.ndarray, ws: np.ndarray) -> np.ndarra
         return acc * a / np.float32(127) * ws
 
 
+@pytest.mark.parametrize("isa", HOST_ISAS, ids=lambda isa: isa.name)
 @pytest.mark.parametrize(("rows", "k", "n"), [((13,), 100, 70), ((2, 3), 1030, 128)])
-def test_quant_gemm_is_bit_identical_to_numpy(rows, k, n):
+def test_quant_gemm_is_bit_identical_to_numpy(isa, rows, k, n):
     rng = np.random.default_rng(k + n)
     x = (rng.standard_normal(rows + (k,)) * 3).astype(np.float32)
     flat = x.reshape(-1, k)
@@ -141,7 +158,7 @@ def test_quant_gemm_is_bit_identical_to_numpy(rows, k, n):
     flat[4, :] *= 1e30  # huge magnitudes: a scale of 1e30
     wq = rng.integers(-127, 128, (k, n), dtype=np.int8)
     ws = (rng.random(n) / 50).astype(np.float32)
-    y = QuantGemm()(x, wq, ws)
+    y = QuantGemm(HOST, isa)(x, wq, ws)
     ref = numpy_quant_gemm(x, wq, ws)
     assert y.shape == rows + (n,) and y.dtype == np.float32
     np.testing.assert_array_equal(y, ref)  # NaN where numpy has NaN, bit for bit elsewhere

@@ -1,17 +1,22 @@
-"""Exact int8 GEMM with AVX-512 VNNI, and the per-token quantization + GEMM kernel on it.
+"""Exact int8 GEMM on AMX tiles, AVX-512 VNNI or AVX2 (the best the CPU has, ``ISAS``), and
+the per-token quantization + GEMM kernel on it.
 
-``vpdpbusd`` (``llvm.x86.avx512.vpdpbusd.512``) adds to each of 16 int32 lanes the dot
-product of four unsigned bytes with four signed bytes.  The activations are signed, so each
-is stored as ``u = q + 128`` (0..255) and the offset is taken back exactly per column:
+AMX (``amx.TileGemm``) multiplies signed bytes by signed bytes into int32 tiles; the
+register micro-kernels below use ``vpdpbusd`` or ``pmaddwd``.  ``vpdpbusd``
+(``llvm.x86.avx512.vpdpbusd.512``) adds to each of 16 int32 lanes the dot product of four
+unsigned bytes with four signed bytes.  The activations are signed, so each is stored as
+``u = q + 128`` (0..255) and the offset is taken back exactly per column:
 ``sum_k q[k] w[k, n] = sum_k u[k] w[k, n] - 128 * colsum[n]``.  Every value is an integer
-and every sum fits int32 (``K <= MAX_K``), so the result is the exact integer product.
+and every sum fits int32 (``K <= DotIsa.max_k``), so the result is the exact integer
+product.
 
-- W (K, N) int8 is packed per call (it is an input and may change) into ``NR``-column panels
+- W (K, N) int8 is packed per call (it is an input and may change) into ``nr``-column panels
   of int32 words, word (panel, kq, c) holding ``W[4 kq : 4 kq + 4, panel * NR + c]``: a
   4 x 16 byte transpose done with vector loads, widening and shifts; the column sums come
-  with it.  K and N are padded with zero weights, which add nothing.
-- The micro-kernel keeps ``MR x NR`` int32 sums in ``MR * NR / 16`` zmm registers; per
-  k-quad it loads ``NR / 16`` panel vectors and broadcasts one 4-byte word per row.
+  with it.  K and N are padded with zero weights, which add nothing.  These are also the
+  B tiles of AMX.
+- The register micro-kernel keeps ``mr x nr`` int32 sums in ``mr * nr / 16`` zmm registers;
+  per k-quad it loads ``nr / 16`` panel vectors and broadcasts one 4-byte word per row.
   Rows past the end repeat the last row (stored twice by the same task).
 - Per-token quantization (``quant_gemm``) runs per row while the row is in cache: the
   absolute max on the float bits (int max: exact, and NaN sorts above inf), then
@@ -23,11 +28,13 @@ and every sum fits int32 (``K <= MAX_K``), so the result is the exact integer pr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ...tvm_adapter import IRBuilder, T, arg_buffer, cpu_has, tirx
 from ..signature import F32, I32
 from ..texpr import const, round_half_even
+from .amx import TileGemm
 
 QMAX = 127  # the quantized range [-127, 127] (symmetric: -128 is never produced)
 INF_BITS = 0x7F800000  # float32 bits of +inf; |x| bits above it are NaN
@@ -56,12 +63,23 @@ class DotIsa:
     accumulates: bool  # the intrinsic adds into its first operand
     mr: int  # micro-kernel rows
     nr: int  # micro-kernel columns: mr * nr / lanes accumulator registers
+    tiles: bool = False  # AMX: the micro-kernel is ``amx.TileGemm`` on tile registers
+    k_step: int = 1  # groups per step of K (a tile row is 64 bytes): K is padded to it
 
     @property
     def max_k(self) -> int:
-        """The largest K whose sums of |u * w| <= (2**(bits) - 1) * 128 stay in int32."""
-        top = max(abs(-QMAX + self.offset), QMAX + self.offset)
+        """The largest K whose sums of |u * w| <= top * 128 stay in int32 (top: the largest
+        |u| of an int8 activation after the offset)."""
+        top = max(abs(-128 + self.offset), 127 + self.offset)
         return (2**31 - 1) // (top * 128)
+
+    def groups(self, k: int) -> int:
+        """Groups of ``group`` k values, K padded with zero weights to whole steps."""
+        return _round_up(k, self.group * self.k_step) // self.group
+
+    def rows(self, m: int) -> int:
+        """Rows of the activation buffer: tiles load whole blocks (zero rows past m)."""
+        return _round_up(m, self.mr) if self.tiles else m
 
     def dot(self, acc, a_words, b_words):
         a, b = (tirx.reinterpret(self.operand, v) for v in (a_words, b_words))
@@ -70,9 +88,11 @@ class DotIsa:
         return acc + tirx.call_llvm_pure_intrin(acc.ty.dtype, self.intrinsic, a, b)
 
 
-# Best first; LLVM 17+ types vpdpbusd's byte operands as <64 x i8>.  Both are exact: u8 x s8
-# and s16 x s16 products summed in int32 (pmaddwd's pair sum is at most 2 * 127 * 128).
+# Best first; LLVM 17+ types vpdpbusd's byte operands as <64 x i8>.  All are exact: s8 x s8,
+# u8 x s8 and s16 x s16 products summed in int32 (pmaddwd's pair sum is at most 2 * 128 * 128).
 ISAS: tuple[DotIsa, ...] = (
+    DotIsa("amx-int8", "amx-int8", "llvm.x86.tdpbssd", 16, 4, I8, 0, "int8x1024", True, 32,
+           32, tiles=True, k_step=16),  # 2 x 2 tiles of 16 x 16 int32 sums
     DotIsa("avx512-vnni", "avx512vnni", "llvm.x86.avx512.vpdpbusd.512", 16, 4, U8, 128,
            "int8x64", True, 6, 64),  # 24 of 32 zmm accumulate
     DotIsa("avx2", "avx2", "llvm.x86.avx2.pmadd.wd", 8, 2, "int16", 0, "int16x16", False,
@@ -118,7 +138,7 @@ def _pack_weights(isa: DotIsa, w, packed, colsum, k: int, n: int):
     panel alone every row read is a new page; by row alone every word written); colsum[col] =
     sum_k W[k, col] where the activations are offset (it takes the offset back)."""
     nr, g = isa.nr, isa.group
-    groups, full = _round_up(k, g) // g, n // nr
+    groups, full = isa.groups(k), n // nr
     with T.parallel(0, -(-groups // PACK_GROUPS)) as blk:
         first = T.bind(blk * PACK_GROUPS)
         count = T.bind(tirx.min(groups - first, PACK_GROUPS))
@@ -181,7 +201,7 @@ class _Gemm:
 
     def __init__(self, isa: DotIsa, bufs: tuple, m: int, k: int, n: int):
         self.isa, (self.u, self.packed, self.partial), self.m, self.n = isa, bufs, m, n
-        self.groups = _round_up(k, isa.group) // isa.group
+        self.groups = isa.groups(k)
         self.block = KC // isa.group  # groups per K block
 
     def run(self, epilogue):
@@ -226,20 +246,33 @@ class _Gemm:
         with T.If(kb == blocks - 1):
             with T.Then():
                 for i in range(isa.mr):
-                    self._store(p, row(i), i, acc, epilogue)
+                    _store_row(isa, self.n, p, row(i), i, acc, epilogue)
             with T.Else():
                 each(lambda i, at, sums: T.buffer_store(self.partial, acc[at[0], at[1]], sums))
 
-    def _store(self, p, r, i, acc, epilogue):
-        isa, col0 = self.isa, p * self.isa.nr
-        with T.If(col0 + isa.nr <= self.n):
-            with T.Then():
-                for v in range(isa.nr // isa.lanes):
-                    epilogue(r, _ramp(col0 + v * isa.lanes, isa.lanes),
-                             acc[i, _ramp(v * isa.lanes, isa.lanes)])
-            with T.Else():
-                with T.serial(0, tirx.max(tirx.min(self.n - col0, isa.nr), 0)) as c:
-                    epilogue(r, col0 + c, acc[i, c])
+
+
+def _store_row(isa: DotIsa, n: int, p, r, i, acc, epilogue):
+    """The epilogue over row ``i`` of a block's sums ``acc``: output row ``r`` of panel ``p``,
+    ``lanes`` columns at a time (one at a time in the last, partial panel)."""
+    col0 = p * isa.nr
+    with T.If(col0 + isa.nr <= n):
+        with T.Then():
+            for v in range(isa.nr // isa.lanes):
+                epilogue(r, _ramp(col0 + v * isa.lanes, isa.lanes),
+                         acc[i, _ramp(v * isa.lanes, isa.lanes)])
+        with T.Else():
+            with T.serial(0, tirx.max(tirx.min(n - col0, isa.nr), 0)) as c:
+                epilogue(r, col0 + c, acc[i, c])
+
+
+def _gemm(isa: DotIsa, bufs: dict, mkn: tuple, epilogue):
+    """The ISA's micro-kernel over the workspaces ``bufs`` (``scratch_shapes``' buffers)."""
+    if isa.tiles:
+        TileGemm(isa, (bufs["u"], bufs["packed"], None), *mkn).run(
+            epilogue, functools.partial(_store_row, isa, mkn[2]))
+    else:
+        _Gemm(isa, (bufs["u"], bufs["packed"], bufs["partial"]), *mkn).run(epilogue)
 
 
 def _lanes(e) -> int:
@@ -259,17 +292,24 @@ def scratch_shapes(isa: DotIsa, m: int, k: int, n: int) -> dict[str, tuple[tuple
 
     Examples
     --------
-    >>> scratch_shapes(ISAS[1], 6, 10, 20)["packed"]
+    >>> scratch_shapes(ISAS[2], 6, 10, 20)["packed"]
     ((2, 5, 16), 'int32')
+    >>> list(scratch_shapes(ISAS[0], 6, 10, 20))  # AMX: no partial sums, no column sums
+    ['u', 'packed', 'amax']
     """
-    groups, panels = _round_up(k, isa.group) // isa.group, _round_up(n, isa.nr) // isa.nr
-    return {"u": ((m, groups * isa.group), isa.a_dtype), "packed": ((panels, groups, isa.nr), I32),
-            "partial": ((m, panels * isa.nr), I32), "colsum": ((n,), I32), "amax": ((m,), F32)}
+    groups, panels = isa.groups(k), _round_up(n, isa.nr) // isa.nr
+    shapes = {"u": ((isa.rows(m), groups * isa.group), isa.a_dtype),
+              "packed": ((panels, groups, isa.nr), I32)}
+    if not isa.tiles:  # the tiles sum all of K in their registers
+        shapes["partial"] = ((m, panels * isa.nr), I32)
+    if isa.offset:
+        shapes["colsum"] = ((n,), I32)
+    return {**shapes, "amax": ((m,), F32)}
 
 
-def _workspaces(isa: DotIsa, m: int, k: int, n: int):
-    return tuple(arg_buffer(name, shape, dtype)
-                 for name, (shape, dtype) in scratch_shapes(isa, m, k, n).items())
+def _workspaces(isa: DotIsa, m: int, k: int, n: int) -> dict:
+    return {name: arg_buffer(name, shape, dtype)
+            for name, (shape, dtype) in scratch_shapes(isa, m, k, n).items()}
 
 
 def _exact(isa: DotIsa, colsum, col, acc):
@@ -279,12 +319,19 @@ def _exact(isa: DotIsa, colsum, col, acc):
     return acc - _like(tirx.const(isa.offset, I32), acc) * colsum[col]
 
 
+def _zero_rows(u, first: int):
+    """The padding rows of ``u`` past the m real ones (tile loads read whole blocks)."""
+    with T.serial(first, u.shape[0]) as r:
+        with T.serial(0, u.shape[1]) as kk:
+            T.buffer_store(u, tirx.Cast(u.dtype, tirx.const(0, I32)), [r, kk])
+
+
 def int8_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "int8_gemm"):
     """PrimFunc ``(q int8 (m, k), w int8 (k, n), y int32 (m, n))``: ``y = q @ w`` exactly.
 
     Examples
     --------
-    >>> "vpdpbusd" in int8_gemm(ISAS[0], 8, 64, 64).script()
+    >>> "vpdpbusd" in int8_gemm(ISAS[1], 8, 64, 64).script()
     True
     """
     check_k(isa, k)
@@ -294,14 +341,16 @@ def int8_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "int8_gemm"):
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
             q, w = arg_buffer("q", (m, k), I8), arg_buffer("w", (k, n), I8)
             y = arg_buffer("y", (m, n), I32)
-            u, packed, partial, colsum, _ = _workspaces(isa, m, k, n)
-            _pack_weights(isa, w, packed, colsum, k, n)
+            bufs = _workspaces(isa, m, k, n)
+            u, colsum = bufs["u"], bufs.get("colsum")
+            _pack_weights(isa, w, bufs["packed"], colsum, k, n)
             with T.parallel(0, m) as r:
                 with T.serial(0, u.shape[1]) as kk:
                     inside = tirx.Cast(I32, q[r, tirx.min(kk, k - 1)]) + isa.offset
                     value = tirx.Select(kk < k, inside, tirx.const(0, I32))
                     T.buffer_store(u, tirx.Cast(isa.a_dtype, value), [r, kk])
-            _Gemm(isa, (u, packed, partial), m, k, n).run(lambda r, col, acc: T.buffer_store(
+            _zero_rows(u, m)
+            _gemm(isa, bufs, (m, k, n), lambda r, col, acc: T.buffer_store(
                 y, _exact(isa, colsum, col, acc), [r, col]))
     return ib.get()
 
@@ -313,7 +362,7 @@ def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm"):
 
     Examples
     --------
-    >>> script = quant_gemm(ISAS[1], 8, 64, 64).script()
+    >>> script = quant_gemm(ISAS[2], 8, 64, 64).script()
     >>> "pmadd" in script and "T.parallel" in script
     True
     """
@@ -324,11 +373,12 @@ def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm"):
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
             x, w = arg_buffer("x", (m, k), F32), arg_buffer("wq", (k, n), I8)
             ws, y = arg_buffer("ws", (n,), F32), arg_buffer("y", (m, n), F32)
-            u, packed, partial, colsum, amax = _workspaces(isa, m, k, n)
-            _pack_weights(isa, w, packed, colsum, k, n)
+            bufs = _workspaces(isa, m, k, n)
+            _pack_weights(isa, w, bufs["packed"], bufs.get("colsum"), k, n)
             with T.parallel(0, m) as r:
-                _quantize_row(isa, x, u, amax, r, k)
-            _Gemm(isa, (u, packed, partial), m, k, n).run(_scaled(isa, y, colsum, amax, ws))
+                _quantize_row(isa, x, bufs["u"], bufs["amax"], r, k)
+            _zero_rows(bufs["u"], m)
+            _gemm(isa, bufs, (m, k, n), _scaled(isa, y, bufs.get("colsum"), bufs["amax"], ws))
     return ib.get()
 
 
