@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import sympy as sp
@@ -26,7 +27,8 @@ import sympy as sp
 from algebra import NotFusable, derive
 from algebra.functions import bounds
 
-from .lowering.cpu.int8 import DotIsa, isa_for, scratch_shapes
+from .lowering.cpu.int8 import DotIsa, check_k, isa_for, scratch_shapes, weight_shapes
+from .lowering.cpu.int8 import pack_weights as pack_weights_func
 from .lowering.cpu.int8 import quant_gemm as quant_gemm_func
 from .tvm_adapter import (
     build,
@@ -42,7 +44,7 @@ from .tvm_adapter import (
 
 QUANT_GEMM_SPEC = ("a = max(abs(x[i]))\n"
                    "y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a / 127 * ws[:]")
-FUNC_NAME = "quant_gemm"
+FUNC_NAME, PACK_NAME = "quant_gemm", "pack_weights"
 # argument -> (dtype, what its shape must be), checked before anything runs
 EXPECTED = {"x": (np.float32, "(*rows, K)"), "wq": (np.int8, "(K, N)"),
             "ws": (np.float32, "(N,)")}
@@ -79,7 +81,8 @@ def integer_product_range(spec: str = QUANT_GEMM_SPEC) -> tuple[int, int]:
 
 
 class QuantGemm:
-    """The compiled kernel per shape, with its scratch buffers (allocated once per shape).
+    """The compiled kernel per shape, with its scratch buffers (allocated once per shape);
+    ``pack`` packs weights once for calls that reuse them.
 
     Examples
     --------
@@ -92,6 +95,9 @@ class QuantGemm:
     >>> q = np.clip(np.round(x * np.float32(127) / a), -127, 127)
     >>> ref = (q.astype(np.float64) @ wq).astype(np.float32) * a / np.float32(127) * ws
     >>> np.array_equal(y, ref)
+    True
+    >>> kernel = QuantGemm()  # weights that do not change: packed once
+    >>> np.array_equal(kernel(x, kernel.pack(wq), ws), ref)
     True
     """
 
@@ -110,33 +116,51 @@ class QuantGemm:
         self._last = None
 
     def __call__(self, x, wq, ws) -> np.ndarray:
-        x, wq, ws = _checked(x, wq, ws)
+        """``y`` for ``x`` (*rows, K) and ``wq`` int8 (K, N) or ``self.pack(wq)``."""
+        x, wq, ws = _checked(x, wq, ws, self.isa)
         rows, (k, n) = x.shape[:-1], wq.shape
         m = math.prod(rows)
         if m == 0 or n == 0 or k == 0:  # K = 0: a = max() = -inf, 0 * -inf is NaN
             return np.full(rows + (n,), np.nan if k == 0 else 0, np.float32)
-        ex, scratch = self._prepare(m, k, n)
         y = empty_aligned((m, n), np.float32)
-        ex[FUNC_NAME](*(from_numpy(a) for a in (x.reshape(m, k), wq, ws, y, *scratch)))
+        ex, args = self._args(x.reshape(m, k), wq, ws, y)
+        ex[FUNC_NAME](*args)
         return y.reshape(rows + (n,))
 
-    def _prepare(self, m: int, k: int, n: int):
-        key = (m, k, n)
+    def pack(self, wq) -> PackedWeights:
+        """``wq`` int8 (K, N) packed for this kernel's ISA once, for weights that do not
+        change between calls (a snapshot: pack again after changing ``wq``)."""
+        wq = _checked_weights(wq)
+        (k, n), packed = wq.shape, ()
+        if k and n:
+            check_k(self.isa, k)
+            key = ("pack", k, n)
+            if key not in self._built:
+                self._built[key] = build(pack_weights_func(self.isa, k, n, PACK_NAME), self.target)
+            packed = tuple(empty_aligned(shape, dtype)
+                           for shape, dtype in weight_shapes(self.isa, k, n).values())
+            self._built[key][PACK_NAME](*(from_numpy(a) for a in (wq, *packed)))
+        return PackedWeights(self.isa.name, (k, n), packed)
+
+    def _args(self, x: np.ndarray, wq, ws: np.ndarray, y: np.ndarray) -> tuple:
+        """The executable for these shapes and its arguments, packed weights or not."""
+        (m, k), n, packed = x.shape, y.shape[1], isinstance(wq, PackedWeights)
+        key = (m, k, n, packed)
         if key not in self._built:
-            ex = build(quant_gemm_func(self.isa, m, k, n, FUNC_NAME), self.target)
-            scratch = [empty_aligned(shape, dtype)
-                       for shape, dtype in scratch_shapes(self.isa, m, k, n).values()]
+            ex = build(quant_gemm_func(self.isa, m, k, n, FUNC_NAME, packed), self.target)
+            skip = weight_shapes(self.isa, k, n) if packed else {}
+            scratch = [empty_aligned(shape, dtype) for name, (shape, dtype) in
+                       scratch_shapes(self.isa, m, k, n).items() if name not in skip]
             self._built[key] = (ex, scratch)
-        self._last = self._built[key]
-        return self._last
+        self._last = ex, scratch = self._built[key]
+        weights = wq.arrays if packed else (wq,)
+        return ex, [from_numpy(a) for a in (x, *weights, ws, y, *scratch)]
 
     def time(self, x, wq, ws, repeat: int = 5) -> float:
         """Median milliseconds of one call on these inputs (after a warm-up call)."""
-        x, wq, ws = _checked(x, wq, ws)
+        x, wq, ws = _checked(x, wq, ws, self.isa)
         m, (k, n) = math.prod(x.shape[:-1]), wq.shape
-        ex, scratch = self._prepare(m, k, n)
-        args = [from_numpy(a) for a in (x.reshape(m, k), wq, ws,
-                                         empty_aligned((m, n), np.float32), *scratch)]
+        ex, args = self._args(x.reshape(m, k), wq, ws, empty_aligned((m, n), np.float32))
         return time_ms(ex, FUNC_NAME, device(self.target), args, repeat)
 
     def assembly(self) -> str:
@@ -146,17 +170,44 @@ class QuantGemm:
         return host_source(self._last[0], "asm")
 
 
-def _checked(x, wq, ws) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The inputs as C-contiguous arrays of their dtypes, or a clear error naming one."""
-    arrays = {}
-    for name, value in (("x", x), ("wq", wq), ("ws", ws)):
-        dtype, shape = EXPECTED[name]
-        a = np.asarray(value)
-        if a.dtype != dtype:
-            raise TypeError(f"input '{name}' has dtype {a.dtype}; expected {np.dtype(dtype)} "
-                            f"of shape {shape}")
-        arrays[name] = np.ascontiguousarray(a)
-    x, wq, ws = arrays["x"], arrays["wq"], arrays["ws"]
+@dataclass(frozen=True)
+class PackedWeights:
+    """int8 weights (K, N) packed by ``QuantGemm.pack`` for one ISA: the kernel's panels
+    (and column sums where the activations are offset), in place of ``wq``."""
+
+    isa: str
+    shape: tuple[int, int]
+    arrays: tuple[np.ndarray, ...]
+
+    ndim = 2
+
+
+def _checked_array(name: str, value) -> np.ndarray:
+    """``value`` as a C-contiguous array of the input's dtype, or a clear error naming it."""
+    dtype, shape = EXPECTED[name]
+    a = np.asarray(value)
+    if a.dtype != dtype:
+        raise TypeError(f"input '{name}' has dtype {a.dtype}; expected {np.dtype(dtype)} "
+                        f"of shape {shape}")
+    return np.ascontiguousarray(a)
+
+
+def _checked_weights(wq) -> np.ndarray:
+    wq = _checked_array("wq", wq)
+    if wq.ndim != 2:
+        raise ValueError(f"input 'wq' has shape {wq.shape}; expected (K, N)")
+    return wq
+
+
+def _checked(x, wq, ws, isa: DotIsa) -> tuple:
+    """The inputs as C-contiguous arrays of their dtypes (``wq`` also packed for ``isa``),
+    or a clear error naming one."""
+    x, ws = _checked_array("x", x), _checked_array("ws", ws)
+    if isinstance(wq, PackedWeights):
+        if wq.isa != isa.name:
+            raise ValueError(f"input 'wq' was packed for {wq.isa}; this kernel uses {isa.name}")
+    else:
+        wq = _checked_array("wq", wq)
     if x.ndim < 1 or wq.ndim != 2 or ws.ndim != 1:
         raise ValueError(f"inputs have shapes x {x.shape}, wq {wq.shape}, ws {ws.shape}; "
                          "expected x (*rows, K), wq (K, N), ws (N,)")

@@ -297,19 +297,47 @@ def scratch_shapes(isa: DotIsa, m: int, k: int, n: int) -> dict[str, tuple[tuple
     >>> list(scratch_shapes(ISAS[0], 6, 10, 20))  # AMX: no partial sums, no column sums
     ['u', 'packed', 'amax']
     """
-    groups, panels = isa.groups(k), _round_up(n, isa.nr) // isa.nr
-    shapes = {"u": ((isa.rows(m), groups * isa.group), isa.a_dtype),
-              "packed": ((panels, groups, isa.nr), I32)}
+    panels = _round_up(n, isa.nr) // isa.nr
+    shapes = {"u": ((isa.rows(m), isa.groups(k) * isa.group), isa.a_dtype),
+              **weight_shapes(isa, k, n)}
     if not isa.tiles:  # the tiles sum all of K in their registers
         shapes["partial"] = ((m, panels * isa.nr), I32)
-    if isa.offset:
-        shapes["colsum"] = ((n,), I32)
     return {**shapes, "amax": ((m,), F32)}
 
 
-def _workspaces(isa: DotIsa, m: int, k: int, n: int) -> dict:
+def weight_shapes(isa: DotIsa, k: int, n: int) -> dict[str, tuple[tuple, str]]:
+    """The packed weights (``pack_weights``' outputs): the panels, and the column sums
+    where the activations are offset.
+
+    Examples
+    --------
+    >>> weight_shapes(ISAS[1], 10, 20)
+    {'packed': ((1, 3, 64), 'int32'), 'colsum': ((20,), 'int32')}
+    """
+    shapes = {"packed": ((_round_up(n, isa.nr) // isa.nr, isa.groups(k), isa.nr), I32)}
+    if isa.offset:
+        shapes["colsum"] = ((n,), I32)
+    return shapes
+
+
+def _workspaces(isa: DotIsa, m: int, k: int, n: int, skip=()) -> dict:
     return {name: arg_buffer(name, shape, dtype)
-            for name, (shape, dtype) in scratch_shapes(isa, m, k, n).items()}
+            for name, (shape, dtype) in scratch_shapes(isa, m, k, n).items()
+            if name not in skip}
+
+
+def pack_weights(isa: DotIsa, k: int, n: int, name: str = "pack_weights"):
+    """PrimFunc ``(wq int8 (k, n), *weight_shapes)``: the weights packed once, for
+    ``quant_gemm(..., packed=True)`` (weights that do not change between calls)."""
+    with IRBuilder() as ib:
+        with T.prim_func():
+            T.func_name(name)
+            T.func_attr({"global_symbol": name, "tirx.noalias": True})
+            w = arg_buffer("wq", (k, n), I8)
+            out = {name: arg_buffer(name, shape, dtype)
+                   for name, (shape, dtype) in weight_shapes(isa, k, n).items()}
+            _pack_weights(isa, w, out["packed"], out.get("colsum"), k, n)
+    return ib.get()
 
 
 def _exact(isa: DotIsa, colsum, col, acc):
@@ -355,10 +383,13 @@ def int8_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "int8_gemm"):
     return ib.get()
 
 
-def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm"):
-    """PrimFunc ``(x f32 (m, k), wq int8 (k, n), ws f32 (n,), y f32 (m, n))`` of the cascade
-    ``a = max(abs(x[i])); y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a /
-    127 * ws[:]``: per-token quantization while the row is in cache, then the integer GEMM.
+def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm",
+               packed: bool = False):
+    """PrimFunc ``(x f32 (m, k), wq int8 (k, n), ws f32 (n,), y f32 (m, n), *scratch)`` of the
+    cascade ``a = max(abs(x[i])); y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :])
+    * a / 127 * ws[:]``: per-token quantization while the row is in cache, then the integer
+    GEMM.  ``packed``: the weights come as ``pack_weights`` left them (``weight_shapes``'
+    buffers in place of ``wq``, not in the scratch).
 
     Examples
     --------
@@ -371,10 +402,13 @@ def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm"):
         with T.prim_func():
             T.func_name(name)
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
-            x, w = arg_buffer("x", (m, k), F32), arg_buffer("wq", (k, n), I8)
+            x = arg_buffer("x", (m, k), F32)
+            given = {name: arg_buffer(name, shape, dtype) for name, (shape, dtype) in (
+                weight_shapes(isa, k, n) if packed else {"wq": ((k, n), I8)}).items()}
             ws, y = arg_buffer("ws", (n,), F32), arg_buffer("y", (m, n), F32)
-            bufs = _workspaces(isa, m, k, n)
-            _pack_weights(isa, w, bufs["packed"], bufs.get("colsum"), k, n)
+            bufs = {**_workspaces(isa, m, k, n, skip=given), **given}
+            if not packed:
+                _pack_weights(isa, given["wq"], bufs["packed"], bufs.get("colsum"), k, n)
             with T.parallel(0, m) as r:
                 _quantize_row(isa, x, bufs["u"], bufs["amax"], r, k)
             _zero_rows(bufs["u"], m)
