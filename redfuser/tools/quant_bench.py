@@ -80,7 +80,7 @@ def row(scale: float = 1.0, repeat: int = 5, torch=None) -> dict:
     ref = numpy_quant_gemm(**a)
     out["exact"] = bool(np.array_equal(ours(**a), ref)
                         and np.array_equal(ours(a["x"], packed, a["ws"]), ref))
-    out["isa"] = ours.isa.name
+    out["isa"], out["rows"] = ours.isa.name, a["x"].shape[0]
     return out
 
 
@@ -89,6 +89,6 @@ def line(r: dict) -> str:
     ratios = [f"{name} / {ours} {r[name] / r[ours]:.2f}x"
               for name, ours in (("torch int8", "fused"), ("torch int8", "packed"),
                                  ("f32 rmsnorm+gemm", "fused")) if name in r]
-    return (f"quant+gemm {ROWS}x{K}->{N} ({r['isa']}, {cpu_target()['mcpu']}): "
+    return (f"quant+gemm {r['rows']}x{K}->{N} ({r['isa']}, {cpu_target()['mcpu']}): "
             + ", ".join(parts) + "; " + ", ".join(ratios)
             + f"; bit-identical to numpy: {r['exact']}")
