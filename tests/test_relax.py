@@ -105,6 +105,22 @@ class GatedMLP(nn.Module):
         return F.silu(self.gate(y)) * self.up(y)
 
 
+class PostLN(nn.Module):
+    """BERT's post-LN block: ``h = LayerNorm(x + a)``, then ``LayerNorm(h + MLP(h))``.  The
+    second LayerNorm's input ``MLP(h)`` is computed from the first kernel's output, so it
+    reads ``h`` back rather than recomputing the first LayerNorm inside (a kernel that would
+    need its own output)."""
+
+    def __init__(self, d: int = 48, f: int = 64):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.up, self.down = nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x, a):
+        h = self.ln1(x + a)
+        return self.ln2(h + self.down(F.gelu(self.up(h))))
+
+
 class GroupedQueryAttention(nn.Module):
     """K/V repeated for the query heads as transformers' ``repeat_kv`` writes it."""
 
@@ -156,6 +172,7 @@ PATTERNS = {  # name -> (model, inputs, cascades fused, ops every fused kernel m
     "rmsnorm_linear_gelu_residual": (Epilogue(), (_x(2, 6, 48), _x(2, 6, 24)), 1,
                                      {"mean", "matmul", "add", "gelu"}),
     "gated_mlp": (GatedMLP(), (_x(2, 6, 48),), 1, {"mean", "matmul", "sigmoid", "multiply"}),
+    "post_ln": (PostLN(), (_x(2, 6, 48), _x(2, 6, 48)), 2, {"layer_norm", "add"}),
     "log_softmax_cross_entropy": (LogSoftmax(), (_x(8, 40), torch.arange(8) * 3), 2,
                                   {"log_softmax"}),
     "softmax_topk": (Router(), (_x(10, 8),), 2, set()),

@@ -77,9 +77,9 @@ ARCHS = {a.name: a for a in (
     Arch("bert", transformers.BertConfig, transformers.BertModel,
          dict(hidden_size=HIDDEN, num_attention_heads=HEADS, intermediate_size=FFN,
               max_position_embeddings=MAX_SEQ, pad_token_id=0), True,
-         # none yet: each post-LN LayerNorm groups with the next one (an input of the kernel
-         # is computed from one of its outputs), and the token-type gather is not lifted
-         {"eager": (), "sdpa": ()},
+         # each post-LN LayerNorm reads the previous one's output back (Lifter.
+         # recomputed_reads); the token-type gather is not lifted
+         {"eager": ("layer_norm", "softmax"), "sdpa": ("layer_norm", "softmax")},
          "post-LN encoder, attention with a padding mask"),
     Arch("t5", transformers.T5Config, transformers.T5EncoderModel,
          dict(d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=FFN, num_heads=HEADS, pad_token_id=0,

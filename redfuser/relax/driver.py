@@ -84,18 +84,21 @@ def _fuse_block(mod: IRModule, gv, func, index: int, options: tuple, entries: li
 
 def plan_block(func, block) -> tuple[Lifter, list[BindingGroup]]:
     """Lift and group; inlined matmuls that a per-element output would recompute, or that
-    keep a group from being derived, are kept as matmuls and the block is lifted again."""
-    keep = frozenset()
+    keep a group from being derived, are kept as matmuls, lifted values that a consumer
+    would recompute from its own inputs' ancestors are read back (``recomputed_reads``),
+    and the block is lifted again."""
+    keep, leaves = frozenset(), frozenset()
     for _ in range(ROUNDS):
-        lifter = Lifter(func, block, keep).run()
+        lifter = Lifter(func, block, keep, leaves).run()
         groups, retry = form_groups(lifter), set()
         for g in groups:
             retry |= g.elem_dots
             if not g.elem_dots and derive_spec(g.spec)[0] is None:
                 retry |= g.frag.dots
-        if retry <= keep:
+        reads = lifter.recomputed_reads()
+        if retry <= keep and reads <= leaves:
             break
-        keep |= retry
+        keep, leaves = keep | retry, leaves | reads
     return lifter, groups
 
 

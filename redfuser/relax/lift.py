@@ -18,11 +18,14 @@ from .values import Ext, Node, Operand, literal, pad_shape, static_shape
 
 @dataclass
 class Lifter:
-    """Lifts the bindings of one dataflow block; ``materialise`` lists matmuls to keep."""
+    """Lifts the bindings of one dataflow block; ``materialise`` lists matmuls to keep,
+    ``leaves`` (consumer var, operand var) pairs where the consumer reads the lifted operand
+    as the Relax value it is (``recomputed_reads``)."""
 
     func: object
     block: object
     materialise: frozenset = frozenset()
+    leaves: frozenset = frozenset()
     nodes: dict = field(default_factory=dict)  # Relax var -> Node
     failures: dict = field(default_factory=dict)  # Relax var -> (op, reason): reductions
     absorbed: set = field(default_factory=set)  # (consumer var, operand var) read as nodes
@@ -79,10 +82,34 @@ class Lifter:
     # Operands -------------------------------------------------------------------------
     def node(self, expr) -> Node | None:
         """The lifted node of ``expr`` (recorded as read by the current binding)."""
-        if isinstance(expr, relax.Var) and expr in self.nodes:
+        node = self._lifted(expr)
+        if node is not None:
             self._pending.append(expr)
-            return self.nodes[expr]
-        return None
+        return node
+
+    def _lifted(self, expr) -> Node | None:
+        if not isinstance(expr, relax.Var) or (self.current, expr) in self.leaves:
+            return None
+        return self.nodes.get(expr)
+
+    def recomputed_reads(self) -> frozenset:
+        """Absorbed (consumer, operand) pairs whose consumer also reads an input computed
+        from the operand, the operand having a reduction: inlined, the operand's cascade
+        would run both before the consumer's kernel and inside it, and the kernel would
+        need its own output (BERT's post-LN residual: LayerNorm(f(h) + h) with h a
+        LayerNorm).  Read as leaves, the operand is materialised once and read back."""
+        parents = {var: relax.analysis.free_vars(value) for var, value in self.values.items()}
+        pairs = set()
+        for consumer, operand in self.absorbed:
+            if consumer not in self.nodes:  # read for its shape only (``idioms``)
+                continue
+            frag = self.nodes[operand].frag
+            if not any(st.kind == "red" for st in frag.stmts.values()):
+                continue
+            sources = [inp.source for inp in self.nodes[consumer].frag.inputs.values()]
+            if any(_depends(src, operand, parents) for src in sources):
+                pairs.add((consumer, operand))
+        return frozenset(pairs)
 
     def scalar(self, expr) -> float | None:
         """The value of a float scalar constant (directly or through one binding)."""
@@ -124,7 +151,7 @@ class Lifter:
         value = self.scalar(expr)
         if value is not None:
             return Operand(literal(value))
-        node = self.nodes.get(expr) if isinstance(expr, relax.Var) else None
+        node = self._lifted(expr)
         if node is not None:
             try:
                 operand = self._node_elem(node, out)
@@ -195,6 +222,20 @@ class Lifter:
         if len(lengths) > 1:
             raise Unliftable(f"stream lengths {sorted(lengths)} differ")
         return merge(frags, tuple(frame), lengths.pop() if lengths else 0)
+
+
+def _depends(expr, var, parents: dict) -> bool:
+    """Is ``expr`` computed from ``var`` (through the function's bindings)?"""
+    todo, seen = [expr], set()
+    while todo:
+        e = todo.pop()
+        if e.same_as(var):
+            return True
+        if e in seen or e not in parents:
+            continue
+        seen.add(e)
+        todo.extend(parents[e])
+    return False
 
 
 def _float32(ext: Ext) -> Ext:
