@@ -134,7 +134,7 @@ def input_arrays(plan: CallPlan, inputs: dict, layout: Layout | None) -> list:
     out = []
     for name, shape in plan.inputs:
         v = inputs[name] if layout is None else layout.arrays[name]
-        if isinstance(v, Number):
+        if type(v) is not np.ndarray and isinstance(v, Number):  # an ABC check: 0.2 us
             out.append(np.full(shape, v, F32))
         else:
             out.append(from_dlpack(v.reshape(shape)))
