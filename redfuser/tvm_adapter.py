@@ -271,6 +271,15 @@ def provably_equal(a, b) -> bool:
         a, int) else a, tirx.const(b, "int64") if isinstance(b, int) else b))
 
 
+def bounded_simplify(bounds: dict):
+    """A simplifier of shape expressions that knows each variable's range: ``bounds`` maps
+    a TIR variable to (lowest, highest) value."""
+    analyzer = tvm.sym.Analyzer()
+    for var, (low, high) in bounds.items():
+        analyzer.bind(var, tvm.ir.Range(low, high + 1))
+    return analyzer.simplify
+
+
 def build_relax(mod: IRModule, pipeline, target: dict):
     """Compile a Relax module with ``pipeline`` (a Pass, run inside the target's scope as
     dlight needs) for ``target``; returns the VM executable."""

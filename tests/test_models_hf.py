@@ -18,9 +18,8 @@ LAYERS = 1  # one block per model keeps this file's builds small; the CLI table 
 
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_architecture_fused_end_to_end_at_two_lengths(name):
-    # one symbolic-length build serves both lengths; BERT's symbolic module does not build in
-    # TVM's own legalization (layer_norm of a tensor without a ShapeExpr shape): static
-    r = evaluate_hf(name, "eager", layers=LAYERS, dynamic=name != "bert", timing=False)
+    # one symbolic-length build serves both lengths
+    r = evaluate_hf(name, "eager", layers=LAYERS, timing=False)
     assert sorted(r.errors) == sorted(LENGTHS)
     assert max(r.errors.values()) < ATOL, (r.errors, str(r.report))
     assert r.unreported == (), f"reductions missing from the report: {r.unreported}"
@@ -28,8 +27,7 @@ def test_architecture_fused_end_to_end_at_two_lengths(name):
     assert must <= r.fused_ops(), f"{sorted(must - r.fused_ops())} not fused:\n{r.report}"
     table = hf_table([r])
     assert all(line.split(": ", 1)[-1].splitlines()[0] in table for line in r.report.reasons())
-    if name != "bert":  # fused at a symbolic length: one build for both
-        assert r.mode == "dynamic", r.note
+    assert r.mode == "dynamic", r.note  # fused at a symbolic length: one build for both
 
 
 def test_sdpa_export_is_fused_and_reported():

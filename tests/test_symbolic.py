@@ -17,6 +17,7 @@ import redfuser
 import redfuser.relax as rr
 from redfuser.lowering import shape_geometry
 from redfuser.lowering.geometry import dynamic_key, fits
+from redfuser.relax.bounds import tightened
 from redfuser.tvm_adapter import import_torch, relax, tirx
 
 RTOL, ATOL = 2e-5, 1e-5
@@ -207,3 +208,59 @@ def test_torch_export_with_a_dynamic_sequence_is_fused_at_two_lengths():
             ref = model(x).numpy()
         (out,) = rr.run(ex, x.numpy())  # torch.export returns a tuple
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+class _PositionTable(torch.nn.Module):
+    """BERT's embeddings in small: a (64, 32) position table sliced to the sequence length
+    and added to the input, then LayerNorm and a softmax of it; exported with seq <= 64, the
+    slice has min(seq, 64) rows in Relax, so every shape after it has only a rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(64, 32) * 0.1)
+        self.norm = torch.nn.LayerNorm(32)
+
+    def forward(self, x):
+        h = x + self.table[: x.shape[1]]
+        return self.norm(h) + torch.softmax(h * 2.0, dim=-1)
+
+
+def test_bounded_slice_is_exact_and_the_cascades_after_it_fuse():
+    torch.manual_seed(1)
+    model = _PositionTable().eval()
+    seq = torch.export.Dim("seq", min=2, max=64)
+    mod = import_torch(model, (torch.randn(1, 8, 32),), dynamic_shapes={"x": {1: seq}})
+    assert "T.min" in mod["main"].script()  # the slice as Relax infers it without bounds
+    exact = tightened(mod["main"])
+    assert "T.min" not in exact.script() and "ndim=3" not in exact.script()
+    fuse = rr.FuseCascadedReductions(check_build=False)
+    fused = fuse(mod)
+    ops = {op.split()[0] for g in fuse.report.groups if g.fused for op in g.ops}
+    assert fuse.report.fused == fuse.report.found and {"layer_norm", "softmax"} <= ops, \
+        str(fuse.report)
+    ex, _ = rr.build(fused, fuse=False)
+    for length in (5, 64):
+        x = torch.randn(1, length, 32)
+        with torch.no_grad():
+            expected = model(x).numpy()
+        got = rr.run(ex, x.numpy())
+        np.testing.assert_allclose(got[0] if isinstance(got, list) else got, expected,
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_slice_the_bounds_do_not_keep_in_range_is_left_as_it_is():
+    """L <= 100 over a table of 64 rows: long inputs are clipped (the shape stays
+    min(L, 64)), so the slice is not marked in range; L <= 64 marks it."""
+    length = tirx.Var("L", "int64")
+    table = relax.const(np.zeros((64, 8), np.float32))
+    for upper, clipped in ((100, True), (64, False)):
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType((length, 8), "float32"))
+        with bb.function("main", [x]):
+            with bb.dataflow():
+                part = bb.emit(relax.op.strided_slice(table, [0], [0], [length]))
+                y = bb.emit_output(relax.op.add(x, part))
+            bb.emit_func_output(y)
+        func = bb.get()["main"].with_attrs({"tir_var_lower_bound": {"L": 1},
+                                            "tir_var_upper_bound": {"L": upper}})
+        assert ("T.min" in tightened(func).script()) == clipped, upper

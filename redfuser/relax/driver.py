@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..lowering.backends import BACKENDS, backend_of_kind
 from ..report import FuseReport, GroupReport
 from ..tvm_adapter import IRModule, current_target_kind, module_pass, relax
+from .bounds import tightened
 from .frag import Unliftable
 from .group import BindingGroup, form_groups, skipped_entries
 from .lift import Lifter
@@ -41,6 +42,8 @@ def fuse_module(mod: IRModule, check_build: bool = True) -> tuple[IRModule, Fuse
             continue
         before, symbolic = len(entries), bool(symbolic_vars(func))
         why = _refusal(kind, target, symbolic)
+        if symbolic and not why:  # shapes the export's bounds decide, made exact
+            func = mod[gv] = tightened(func)
         options = (check_build, why, target.name if target else "")
         for index, block in enumerate(func.body.blocks):
             if not isinstance(block, relax.DataflowBlock):
