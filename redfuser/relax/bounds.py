@@ -28,6 +28,16 @@ def tightened(func):
     return _Tighten(bounded_simplify(bounds)).visit_expr(func)
 
 
+def tightened_module(mod):
+    """``mod`` with every Relax function ``tightened`` (a copy; the same module if none
+    changes)."""
+    out = mod.clone()
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            out[gv] = tightened(func)
+    return out
+
+
 def _bounds(func) -> dict:
     """TIR variable -> (lowest, highest) from the function's attributes, where both known."""
     attrs = func.attrs or {}

@@ -2,7 +2,9 @@
 
 ``tvm.compile`` on a Relax module for an LLVM target runs the "default" build pipeline,
 which legalizes every op into an unscheduled TensorIR function and fuses nothing.  Both
-builds here run the same steps so a comparison measures the pass alone: legalize,
+builds here run the same steps so a comparison measures the pass alone: the shapes a
+symbolic function's bounds decide made exact (``bounds.py``: TVM's legalization cannot build
+a tensor known only by its rank), legalize,
 TVM's own operator fusion (FuseOps/FuseTIR), dlight's CPU rules (GEMV, Reduction), then
 the default build.  With ``fuse=True`` FuseCascadedReductions runs first.
 """
@@ -21,6 +23,7 @@ from ..tvm_adapter import (
     relax_vm,
 )
 from ..tvm_adapter import build_relax as _build_relax
+from .bounds import tightened_module
 from .driver import FuseCascadedReductions
 
 
@@ -33,13 +36,14 @@ def cpu_pipeline():
 
     @module_pass(opt_level=0, name="RedfuserCPUPipeline")
     def _pipeline(mod: IRModule, _ctx) -> IRModule:
-        mod = Sequential([
+        mod = Sequential([  # shapes its bounds decide first: legalization needs them
+
             relax.transform.LegalizeOps(),
             relax.transform.AnnotateTIROpPattern(),
             relax.transform.FoldConstant(),
             relax.transform.FuseOps(),
             relax.transform.FuseTIR(),
-        ])(mod)
+        ])(tightened_module(mod))
         return relax.get_pipeline("default")(_schedule_each(mod))
 
     return _pipeline
