@@ -112,7 +112,8 @@ class QuantGemm:
             raise RuntimeError(f"target {self.target} has AMX, and this process may not use "
                                "AMX tiles (Linux refused ARCH_REQ_XCOMP_PERM)")
         self.range = integer_product_range()  # the proof the int32 sums rest on
-        self._built: dict[tuple, tuple] = {}
+        self._built: dict[tuple, tuple] = {}  # (m, k, n, packed) -> (executable, scratch)
+        self._packers: dict[tuple, object] = {}  # (k, n) -> pack_weights executable
         self._last = None
 
     def __call__(self, x, wq, ws) -> np.ndarray:
@@ -134,12 +135,12 @@ class QuantGemm:
         (k, n), packed = wq.shape, ()
         if k and n:
             check_k(self.isa, k)
-            key = ("pack", k, n)
-            if key not in self._built:
-                self._built[key] = build(pack_weights_func(self.isa, k, n, PACK_NAME), self.target)
+            if (k, n) not in self._packers:
+                self._packers[k, n] = build(pack_weights_func(self.isa, k, n, PACK_NAME),
+                                            self.target)
             packed = tuple(empty_aligned(shape, dtype)
                            for shape, dtype in weight_shapes(self.isa, k, n).values())
-            self._built[key][PACK_NAME](*(from_numpy(a) for a in (wq, *packed)))
+            self._packers[k, n][PACK_NAME](*(from_numpy(a) for a in (wq, *packed)))
         return PackedWeights(self.isa.name, (k, n), packed)
 
     def _args(self, x: np.ndarray, wq, ws: np.ndarray, y: np.ndarray) -> tuple:
@@ -148,9 +149,8 @@ class QuantGemm:
         key = (m, k, n, packed)
         if key not in self._built:
             ex = build(quant_gemm_func(self.isa, m, k, n, FUNC_NAME, packed), self.target)
-            skip = weight_shapes(self.isa, k, n) if packed else {}
-            scratch = [empty_aligned(shape, dtype) for name, (shape, dtype) in
-                       scratch_shapes(self.isa, m, k, n).items() if name not in skip]
+            scratch = [empty_aligned(shape, dtype) for shape, dtype in
+                       scratch_shapes(self.isa, m, k, n, packed).values()]
             self._built[key] = (ex, scratch)
         self._last = ex, scratch = self._built[key]
         weights = wq.arrays if packed else (wq,)

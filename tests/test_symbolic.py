@@ -193,21 +193,31 @@ class _NormSoftmax(torch.nn.Module):
         return self.norm(x) + torch.softmax(x * 2.0, dim=-1)
 
 
+def _export_seq(model: torch.nn.Module, longest: int):
+    """``model`` of a (1, seq, 32) input exported with 2 <= seq <= ``longest``."""
+    seq = torch.export.Dim("seq", min=2, max=longest)
+    return import_torch(model, (torch.randn(1, 8, 32),), dynamic_shapes={"x": {1: seq}})
+
+
+def _matches_torch(model, builds: list, lengths: tuple, atol: float) -> None:
+    for length in lengths:
+        x = torch.randn(1, length, 32)
+        with torch.no_grad():
+            expected = model(x).numpy()
+        for ex in builds:
+            (got,) = rr.run(ex, x.numpy())  # torch.export returns a tuple
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=atol)
+
+
 def test_torch_export_with_a_dynamic_sequence_is_fused_at_two_lengths():
     torch.manual_seed(0)
     model = _NormSoftmax().eval()
-    seq = torch.export.Dim("seq", min=2, max=512)
-    mod = import_torch(model, (torch.randn(1, 8, 32),), dynamic_shapes={"x": {1: seq}})
+    mod = _export_seq(model, 512)
     fuse = rr.FuseCascadedReductions(check_build=False)
     ex, _ = rr.build(fuse(mod), fuse=False)
     report = fuse.report
     assert report.found >= 1 and report.fused == report.found, str(report)
-    for length in (5, 300):
-        x = torch.randn(1, length, 32)
-        with torch.no_grad():
-            ref = model(x).numpy()
-        (out,) = rr.run(ex, x.numpy())  # torch.export returns a tuple
-        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    _matches_torch(model, [ex], (5, 300), atol=1e-5)
 
 
 class _PositionTable(torch.nn.Module):
@@ -228,8 +238,7 @@ class _PositionTable(torch.nn.Module):
 def test_bounded_slice_is_exact_and_the_cascades_after_it_fuse():
     torch.manual_seed(1)
     model = _PositionTable().eval()
-    seq = torch.export.Dim("seq", min=2, max=64)
-    mod = import_torch(model, (torch.randn(1, 8, 32),), dynamic_shapes={"x": {1: seq}})
+    mod = _export_seq(model, 64)
     assert "T.min" in mod["main"].script()  # the slice as Relax infers it without bounds
     exact = tightened(mod["main"])
     assert "T.min" not in exact.script() and "ndim=3" not in exact.script()
@@ -239,15 +248,8 @@ def test_bounded_slice_is_exact_and_the_cascades_after_it_fuse():
     assert fuse.report.fused == fuse.report.found and {"layer_norm", "softmax"} <= ops, \
         str(fuse.report)
     # the unfused build too (the pipeline tightens before TVM legalizes a rank-only tensor)
-    builds = [rr.build(m, fuse=False)[0] for m in (fused, mod)]
-    for length in (5, 64):
-        x = torch.randn(1, length, 32)
-        with torch.no_grad():
-            expected = model(x).numpy()
-        for ex in builds:
-            got = rr.run(ex, x.numpy())
-            np.testing.assert_allclose(got[0] if isinstance(got, list) else got, expected,
-                                       rtol=1e-5, atol=1e-6)
+    _matches_torch(model, [rr.build(m, fuse=False)[0] for m in (fused, mod)], (5, 64),
+                   atol=1e-6)
 
 
 def test_slice_the_bounds_do_not_keep_in_range_is_left_as_it_is():

@@ -29,8 +29,7 @@ def tightened(func):
 
 
 def tightened_module(mod):
-    """``mod`` with every Relax function ``tightened`` (a copy; the same module if none
-    changes)."""
+    """A copy of ``mod`` with every Relax function ``tightened``."""
     out = mod.clone()
     for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):

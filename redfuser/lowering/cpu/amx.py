@@ -32,7 +32,9 @@ U8 = "uint8"
 
 
 def _intrin(name: str, *args) -> None:
-    T.evaluate(tirx.call_llvm_intrin("void", f"llvm.x86.{name}", *args))
+    """A tile instruction (``llvm.x86.`` + its name, or a full intrinsic name)."""
+    full = name if name.startswith("llvm.") else f"llvm.x86.{name}"
+    T.evaluate(tirx.call_llvm_intrin("void", full, *args))
 
 
 def _tile(index: int):
@@ -64,8 +66,8 @@ class TileGemm:
     32 and K' of 64, padded with zeros; ``packed`` the int8 module's 32-column panels);
     ``epilogue(row, col, acc)`` stores one result, as ``int8._Gemm`` calls it."""
 
-    def __init__(self, isa, bufs: tuple, m: int, k: int, n: int):
-        self.isa, (self.u, self.packed, _), self.m, self.n = isa, bufs, m, n
+    def __init__(self, isa, u, packed, m: int):
+        self.isa, self.u, self.packed, self.m = isa, u, packed, m
         assert isa.mr == 2 * TILE_ROWS and isa.nr == 2 * TILE_ROWS and isa.group == 4
 
     def run(self, epilogue, store) -> None:
@@ -96,7 +98,7 @@ class TileGemm:
                 _intrin("tileloadd64", _tile(bt),
                         _at(packed, p, ks * TILE_ROWS, j * TILE_ROWS), _stride(panel_bytes))
             for t, (i, j) in enumerate(C_TILES):
-                _intrin("tdpbssd", _tile(t), _tile(A_TILES[i]), _tile(B_TILES[j]))
+                _intrin(isa.intrinsic, _tile(t), _tile(A_TILES[i]), _tile(B_TILES[j]))
         for t, (i, j) in enumerate(C_TILES):
             _intrin("tilestored64", _tile(t), _at(acc, i * TILE_ROWS, j * TILE_ROWS),
                     _stride(panel_bytes))

@@ -269,7 +269,7 @@ def _store_row(isa: DotIsa, n: int, p, r, i, acc, epilogue):
 def _gemm(isa: DotIsa, bufs: dict, mkn: tuple, epilogue):
     """The ISA's micro-kernel over the workspaces ``bufs`` (``scratch_shapes``' buffers)."""
     if isa.tiles:
-        TileGemm(isa, (bufs["u"], bufs["packed"], None), *mkn).run(
+        TileGemm(isa, bufs["u"], bufs["packed"], mkn[0]).run(
             epilogue, functools.partial(_store_row, isa, mkn[2]))
     else:
         _Gemm(isa, (bufs["u"], bufs["packed"], bufs["partial"]), *mkn).run(epilogue)
@@ -285,8 +285,10 @@ def _like(value, like):
     return value if lanes == 1 else tirx.Broadcast(value, lanes)
 
 
-def scratch_shapes(isa: DotIsa, m: int, k: int, n: int) -> dict[str, tuple[tuple, str]]:
-    """The kernels' scratch arguments, name -> (shape, dtype), after the inputs and outputs.
+def scratch_shapes(isa: DotIsa, m: int, k: int, n: int,
+                   packed: bool = False) -> dict[str, tuple[tuple, str]]:
+    """The kernels' scratch arguments, name -> (shape, dtype), after the inputs and outputs
+    (``packed``: the weights come packed, as arguments of their own, ``weight_shapes``).
     The caller allocates them once per shape: as workspaces of the kernel, the 16-32 MB of
     packed weights were fresh pages every call (page faults cost more than the packing).
 
@@ -296,10 +298,12 @@ def scratch_shapes(isa: DotIsa, m: int, k: int, n: int) -> dict[str, tuple[tuple
     ((2, 5, 16), 'int32')
     >>> list(scratch_shapes(ISAS[0], 6, 10, 20))  # AMX: no partial sums, no column sums
     ['u', 'packed', 'amax']
+    >>> list(scratch_shapes(ISAS[1], 6, 10, 20, packed=True))  # VNNI, weights given packed
+    ['u', 'partial', 'amax']
     """
     panels = _round_up(n, isa.nr) // isa.nr
     shapes = {"u": ((isa.rows(m), isa.groups(k) * isa.group), isa.a_dtype),
-              **weight_shapes(isa, k, n)}
+              **({} if packed else weight_shapes(isa, k, n))}
     if not isa.tiles:  # the tiles sum all of K in their registers
         shapes["partial"] = ((m, panels * isa.nr), I32)
     return {**shapes, "amax": ((m,), F32)}
@@ -320,10 +324,9 @@ def weight_shapes(isa: DotIsa, k: int, n: int) -> dict[str, tuple[tuple, str]]:
     return shapes
 
 
-def _workspaces(isa: DotIsa, m: int, k: int, n: int, skip=()) -> dict:
-    return {name: arg_buffer(name, shape, dtype)
-            for name, (shape, dtype) in scratch_shapes(isa, m, k, n).items()
-            if name not in skip}
+def _arguments(shapes: dict) -> dict:
+    """One argument buffer per (shape, dtype) of ``shapes``, in its order."""
+    return {key: arg_buffer(key, shape, dtype) for key, (shape, dtype) in shapes.items()}
 
 
 def pack_weights(isa: DotIsa, k: int, n: int, name: str = "pack_weights"):
@@ -334,8 +337,7 @@ def pack_weights(isa: DotIsa, k: int, n: int, name: str = "pack_weights"):
             T.func_name(name)
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
             w = arg_buffer("wq", (k, n), I8)
-            out = {name: arg_buffer(name, shape, dtype)
-                   for name, (shape, dtype) in weight_shapes(isa, k, n).items()}
+            out = _arguments(weight_shapes(isa, k, n))
             _pack_weights(isa, w, out["packed"], out.get("colsum"), k, n)
     return ib.get()
 
@@ -369,7 +371,7 @@ def int8_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "int8_gemm"):
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
             q, w = arg_buffer("q", (m, k), I8), arg_buffer("w", (k, n), I8)
             y = arg_buffer("y", (m, n), I32)
-            bufs = _workspaces(isa, m, k, n)
+            bufs = _arguments(scratch_shapes(isa, m, k, n))
             u, colsum = bufs["u"], bufs.get("colsum")
             _pack_weights(isa, w, bufs["packed"], colsum, k, n)
             with T.parallel(0, m) as r:
@@ -403,10 +405,9 @@ def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm",
             T.func_name(name)
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
             x = arg_buffer("x", (m, k), F32)
-            given = {name: arg_buffer(name, shape, dtype) for name, (shape, dtype) in (
-                weight_shapes(isa, k, n) if packed else {"wq": ((k, n), I8)}).items()}
+            given = _arguments(weight_shapes(isa, k, n) if packed else {"wq": ((k, n), I8)})
             ws, y = arg_buffer("ws", (n,), F32), arg_buffer("y", (m, n), F32)
-            bufs = {**_workspaces(isa, m, k, n, skip=given), **given}
+            bufs = {**_arguments(scratch_shapes(isa, m, k, n, packed)), **given}
             if not packed:
                 _pack_weights(isa, given["wq"], bufs["packed"], bufs.get("colsum"), k, n)
             with T.parallel(0, m) as r:
