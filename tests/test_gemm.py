@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import redfuser
 from redfuser.lowering import choose, shape_geometry
-from redfuser.lowering.cpu.plan import GEMM, gemm_blocks, gemm_plan
+from redfuser.lowering.cpu.plan import GEMM, LANES, gemm_blocks, gemm_plan
 from redfuser.lowering.products import products, why_not
 from redfuser.tune import describe, plan_from_params, plan_params, space
 
@@ -130,13 +130,13 @@ def test_rmsnorm_gemm_plan_blocks_the_bench_shape():
     rule = redfuser.derive("rmsnorm_gemm")
     geo = shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)})
     plan = choose(rule, geo, threads=2)
-    assert (plan.mr, plan.nr, plan.kc, plan.nc) == tuple(GEMM[k][0] for k in
-                                                         ("mr", "nr", "kc", "nc"))
+    assert (plan.mr, plan.nr, plan.kc) == tuple(GEMM[k][0] for k in ("mr", "nr", "kc"))
+    assert plan.nc == GEMM["nc"][0] // plan.nr * plan.nr  # whole panels
     assert plan.mc % plan.mr == 0 and plan.mc >= 256 and plan.nt == 2
     many = choose(rule, shape_geometry(rule, {"x": (4096, 512), "w": (512, 256)}), threads=2)
     assert many.nt == 1 and many.mc <= 256 + many.mr
     assert plan.lanes > 1, "the sum(x**2) beside the GEMM folds in vector lanes"
-    assert "GEMM micro-kernel 6 x 64" in str(plan)
+    assert f"GEMM micro-kernel {plan.mr} x {plan.nr}" in str(plan)
     small = shape_geometry(rule, {"x": (256, 64), "w": (64, 8)})
     assert gemm_blocks(rule, small, 2) is None and choose(rule, small).mr == 0
 
@@ -211,7 +211,7 @@ def test_the_schedule_space_searches_the_blocking_and_every_value_builds():
     assert plan_from_params(plan_params(chosen[0])) == dataclasses.replace(chosen[0],
                                                                            reason="")
     assert all(s.why_not(p) is None for p in chosen)  # a tuned record of it would be used
-    spilling = dataclasses.replace(chosen[0], mr=8, nr=64)  # 32 sums + 4 vectors > 32 zmm
+    spilling = dataclasses.replace(chosen[0], mr=8, nr=4 * LANES)  # 32 sums + 4 > any ISA's
     assert "mr=8" not in (s.why_not(spilling) or "") and "registers" in s.why_not(spilling)
     assert "mr=" not in describe(choose(rule_for("softmax"),
                                         shape_geometry(rule_for("softmax"), {"x": (4, 64)})))

@@ -36,6 +36,7 @@ os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
 
 import redfuser  # noqa: E402
 
+from ..lowering.cpu.vector import host_isa  # noqa: E402
 from ..tune import describe, machine, tune  # noqa: E402
 from ..tvm_adapter import (  # noqa: E402
     IRBuilder,
@@ -284,36 +285,37 @@ def _line(row: dict, limits: dict) -> str:
     return f"{row['workload']:<34}" + "".join(cells) + "   " + "  ".join(ratios)
 
 
-CHAINS, LANES, STEPS = 24, 16, 1 << 22  # FMA peak: 24 independent 16-lane chains per thread
+STEPS = 1 << 22  # FMA peak: multiply-adds per chain
 
 
 def fma_peak() -> float:
-    """GFLOP/s of CHAINS independent 16-lane multiply-add chains per thread, on registers
-    (enough chains to cover the FMA latency of two pipes): the machine's FMA peak as a
-    kernel sees it."""
-    threads = default_threads()
+    """GFLOP/s of independent full-register multiply-add chains per thread, as many as the
+    host's GEMM micro-kernel keeps sums (``vector.host_isa``: they fit the registers and
+    cover the FMA latency of two pipes): the machine's FMA peak as a kernel sees it."""
+    isa, threads = host_isa(), default_threads()
+    chains, lanes = isa.gemm_sums, isa.lanes
     with IRBuilder() as ib:
         with T.prim_func():
             T.func_name("peak")
-            out = arg_buffer("out", (threads, CHAINS, LANES))
+            out = arg_buffer("out", (threads, chains, lanes))
             with T.parallel(0, threads) as t:
-                acc = T.alloc_buffer((CHAINS, LANES), "float32", scope="local")
-                with T.unroll(0, CHAINS) as c:
-                    with T.vectorized(0, LANES) as lane:
+                acc = T.alloc_buffer((chains, lanes), "float32", scope="local")
+                with T.unroll(0, chains) as c:
+                    with T.vectorized(0, lanes) as lane:
                         T.buffer_store(acc, tirx.Cast("float32", c + lane), [c, lane])
                 with T.serial(0, STEPS) as _:
-                    with T.unroll(0, CHAINS) as c:
-                        with T.vectorized(0, LANES) as lane:
+                    with T.unroll(0, chains) as c:
+                        with T.vectorized(0, lanes) as lane:
                             T.buffer_store(acc, acc[c, lane] * tirx.const(0.999, "float32") +
                                            tirx.const(1e-3, "float32"), [c, lane])
-                with T.unroll(0, CHAINS) as c:
-                    with T.vectorized(0, LANES) as lane:
+                with T.unroll(0, chains) as c:
+                    with T.vectorized(0, lanes) as lane:
                         T.buffer_store(out, acc[c, lane], [t, c, lane])
     fn = tvm_build(ib.get(), cpu_target())["peak"]
-    arg = from_numpy(np.zeros((threads, CHAINS, LANES), np.float32))
+    arg = from_numpy(np.zeros((threads, chains, lanes), np.float32))
     fn(arg)
     best = min(seconds(lambda: fn(arg)) for _ in range(3))
-    return 2.0 * threads * CHAINS * LANES * STEPS / best / 1e9
+    return 2.0 * threads * chains * lanes * STEPS / best / 1e9
 
 
 def seconds(fn) -> float:

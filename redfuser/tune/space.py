@@ -46,20 +46,20 @@ import numpy as np
 from algebra.components import LinearComponent
 
 from ..lowering import VARIANTS, Geometry, Plan, choose
-from ..lowering.cpu.plan import LANES, TILE_ELEMENTS, gemm_blocks, gemm_plan, vector_lanes
+from ..lowering.cpu.plan import ISA, LANES, TILE_ELEMENTS, gemm_blocks, gemm_plan, vector_lanes
 from ..lowering.cuda.plan import threads_for
 from ..tvm_adapter import default_threads
 from .work import rule_work
 
 GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc", "nt")  # 0: no GEMM micro-kernel
 TUNED = ("variant", "lanes", "tile", "splits", "threads", "row_block", *GEMM_FIELDS)  # searched
-LANE_VALUES = (1, 16, 32, 64)
+LANE_VALUES = (1, LANES, 2 * LANES, 4 * LANES)  # one to four vector registers
 TILES_LANES = (8, 32, 128)  # lanes > 1: elements per lane per tile
 TILES_ONE = (1, 4, 8, 16, 32)  # one lane: elements per tile (attention's keys)
 SPLIT_VALUES = (2, 4, 8, 16, 32, 64)
 ROW_BLOCKS = (1, 2, 4, 8)
-MR_VALUES, NR_VALUES, KC_VALUES = (4, 6, 8), (16, 32, 64), (128, 256, 512)
-VECTOR_REGISTERS = 32  # zmm: a micro-kernel's sums, panel vectors and broadcast must fit
+MR_VALUES, KC_VALUES = (4, 6, 8), (128, 256, 512)
+NR_VALUES = tuple(v * LANES for v in (1, 2, 3, 4))  # whole vectors (``ISA.fits`` prunes)
 CUDA_THREADS = (32, 64, 128, 256, 512, 1024)
 MIN_PIECE = 32  # elements of a split piece: shorter ones cost more to merge than they save
 MAX_TILE_ELEMENTS = TILE_ELEMENTS  # lanes x tile: beyond it a tile's passes leave L1
@@ -267,8 +267,7 @@ def _valid(plan: Plan, geo: Geometry) -> bool:
     """Constraints between parameters: a tile fits the stream and the registers, a split
     piece holds two tiles; a GEMM micro-kernel's sums, panel vectors and broadcast fit the
     vector registers and a packed block holds whole panels."""
-    if plan.mr and (plan.nc % plan.nr or plan.mr * plan.nr // LANES + plan.nr // LANES + 1 >
-                    VECTOR_REGISTERS):
+    if plan.mr and (plan.nc % plan.nr or not ISA.fits(plan.mr, plan.nr)):
         return False
     step = plan.lanes * plan.tile
     if step > MAX_TILE_ELEMENTS or step > geo.n:

@@ -17,8 +17,8 @@
   an input and may change between calls (a cached copy could be stale), and packing each
   block as it is needed reads W once per row block without a second 64 MB copy in memory
   (few rows, a large W: split the columns rather than the rows, ``plan.nt``);
-- the micro-kernel keeps ``mr x nr`` sums in vector registers (``mr x nr / 16`` zmm), loads
-  ``nr / 16`` vectors of the panel and broadcasts one A value per row for each of the ``kc``
+- the micro-kernel keeps ``mr x nr`` sums in ``mr x nr / LANES`` vector registers, loads
+  ``nr / LANES`` vectors of the panel and broadcasts one A value per row for each of the ``kc``
   steps: one load per ``mr`` multiply-adds.  Rows past the block's end repeat its last row
   (the same values stored twice by one task), so there is no row tail;
 - the sums live in a workspace of rows x D rounded up to ``nr``; then, rows in parallel,
@@ -49,6 +49,24 @@ def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
+def check_blocks(plan: Plan) -> None:
+    """Refuse a blocking the micro-kernel cannot run: a panel is whole vectors of the host's
+    LANES and a packed block whole panels (else columns would be skipped or overlap).
+
+    Examples
+    --------
+    >>> from redfuser.lowering import Plan
+    >>> try:
+    ...     check_blocks(Plan("rolling", 1, 1, True, "", mr=4, nr=LANES + 1, kc=8, nc=LANES + 1))
+    ... except ValueError as e:
+    ...     print(str(e).split(":")[0])
+    GEMM blocking
+    """
+    if plan.nr % LANES or plan.nc % plan.nr:
+        raise ValueError(f"GEMM blocking: nr = {plan.nr} must be a multiple of the {LANES} "
+                         f"vector lanes and nc = {plan.nc} a multiple of nr")
+
+
 def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: dict,
             elementwise: dict, rowvals: dict, fold: Callable) -> None:
     """The blocked nest of ``rule`` (which has matrix products at ``geo``) into the active
@@ -62,9 +80,13 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
     >>> rule = redfuser.derive("rmsnorm_gemm")
     >>> geo = shape_geometry(rule, {"x": (12, 256), "w": (256, 64)})
     >>> plan = choose(rule, geo, threads=2)  # the CPU nest of this plan calls rolling
-    >>> (plan.mr, plan.nr), "in T.unroll(6):" in build_primfunc(rule, geo, plan).script()
-    ((6, 64), True)
+    >>> from redfuser.lowering.cpu.plan import GEMM
+    >>> (plan.mr, plan.nr) == (GEMM["mr"][0], GEMM["nr"][0])  # the host's micro-kernel
+    True
+    >>> f"in T.unroll({plan.mr}):" in build_primfunc(rule, geo, plan).script()
+    True
     """
+    check_blocks(plan)
     found = products(rule, geo)
     rest = without(rule, found)
     values = {**rowvals, **results}
@@ -169,7 +191,7 @@ class _Blocks:
                     T.buffer_store(packed, tirx.Select(col < d, inside, const(0)), [p, k, lane])
 
     def _micro(self, a, packed, sums, p, col0, mb):
-        """mr x nr sums in registers over the piece's k: per k, nr / 16 panel vectors loaded
+        """mr x nr sums in registers over the piece's k: per k, nr / LANES panel vectors loaded
         and one broadcast A value per row.  Rows past the block's end repeat its last row."""
         mr, nr = self.plan.mr, self.plan.nr
         acc = T.alloc_buffer((mr, nr), F32, scope="local")

@@ -22,12 +22,14 @@ from ...tvm_adapter import T, default_threads
 from ..geometry import Geometry, component_exprs
 from ..plan import Plan, check_variant
 from ..products import products, without
+from .vector import host_caches, host_isa
 
-LANES = 16  # float32 lanes of an AVX-512 register: one element per lane per step
+ISA, CACHES = host_isa(), host_caches()  # the host's vector unit and caches (vector.py)
+LANES = ISA.lanes  # float32 lanes of a vector register: one element per lane per step
 # Lanes of a many-lane fold: four registers, so each state accumulates in four independent
-# chains (one chain is bound by the add latency).  Measured, logsumexp 512 x 2048, 2
-# threads: 16 lanes 0.27 ms, 32 lanes 0.19, 64 lanes 0.15, 128 lanes 0.22 (spills).
-FOLD_LANES = 64
+# chains (one chain is bound by the add latency).  Measured on AVX-512, logsumexp 512 x
+# 2048, 2 threads: 1 register 0.27 ms, 2 0.19, 4 0.15, 8 0.22 (spills).
+FOLD_LANES = 4 * LANES
 # Elements of a many-lane tile: a row up to this long is one tile (each level re-reads it
 # from L1: 32 KB of 48), longer rows are cut into tiles this long.  The tile's merge then
 # costs one rescale per 8192 elements (logsumexp 64 x 16384: tiles of 2048 elements
@@ -57,24 +59,26 @@ PARALLEL_MIN_WORK = 32768
 # tile for rows of a few thousand elements at a merge per 1024.
 DYNAMIC_TILE_ELEMENTS = 1024
 # The cache a staged rule's row stays in between its passes (``resident``): one core's L2
-# (1 MB on this Zen 5; L1, 48 KB, holds only rows of up to 12K floats).
-RESIDENT_CACHE_BYTES = 1 << 20
+# (L1 holds only rows of a few thousand floats).
+RESIDENT_CACHE_BYTES = CACHES.l2
 F32_BYTES = 4
-# The GEMM micro-kernel and its cache blocks (``gemm.py``): name -> (value, why).  The
-# machine: AMD EPYC Zen 5, two 512-bit FMA pipes (4-cycle latency), 32 zmm registers,
-# 48 KB L1d and 1 MB L2 per core.
+KC = 512  # K per GEMM block (``GEMM``)
+# The GEMM micro-kernel and its cache blocks (``gemm.py``): name -> (value, why), sized by
+# the host's vector registers and L2 (``vector.py``).
 GEMM: dict[str, tuple[int, str]] = {
-    "mr": (6, "rows per micro-kernel: 6 x 4 = 24 accumulators + 4 panel vectors + 1 "
-              "broadcast fit the 32 vector registers, and 24 independent multiply-add chains "
-              "cover the FMA latency (2 pipes x 4 cycles = 8 in flight)"),
-    "nr": (64, "columns per micro-kernel and per packed panel of W: 4 vectors of 16 lanes"),
-    "kc": (512, "K per block: a packed panel (KC x NR x 4 B = 128 KB) stays in L2 while every "
-                "micro-kernel of the row block reads it; the sums are loaded and stored once "
-                "per KC multiply-adds, and the rest of the cascade folds pieces of KC elements "
-                "(one merge per piece: at 512 x 2048 -> 64, KC 256 cost 1.4x KC 512)"),
-    "nc": (256, "columns per packed block of W: KC x NC x 4 B = 512 KB, half of the L2"),
+    "mr": (ISA.gemm_rows, f"rows per micro-kernel: {ISA.why}"),
+    "nr": (ISA.gemm_vectors * LANES, "columns per micro-kernel and per packed panel of W: "
+           f"{ISA.gemm_vectors} vectors of {LANES} lanes"),
+    "kc": (KC, "K per block: a packed panel (KC x NR x 4 B) stays in L1-L2 while every "
+               "micro-kernel of the row block reads it; the sums are loaded and stored once "
+               "per KC multiply-adds, and the rest of the cascade folds pieces of KC elements "
+               "(one merge per piece: at 512 x 2048 -> 64, KC 256 cost 1.4x KC 512)"),
+    "nc": (CACHES.l2 // 2 // (KC * F32_BYTES), "columns per packed block of W: KC x NC x 4 B "
+           "is half of the L2"),
     "mc": (256, "most rows per row block (one parallel task): its packed A (MC x KC x 4 B = "
-                "512 KB) stays in L2 with the panel while the panels pass"),
+                "512 KB) stays in L2 while the panels pass; with fewer rows than two blocks, "
+                "the threads split the columns (Zen 3, 256 x 4096 -> 4096 on 2 threads: "
+                "columns split 65 ms, two row blocks of 128 90 ms)"),
 }
 
 
@@ -200,8 +204,8 @@ def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
     >>> import redfuser
     >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("softmax")
-    >>> print(dynamic_plan(rule, shape_geometry(rule, {"x": (3, 5)})).lanes)
-    64
+    >>> dynamic_plan(rule, shape_geometry(rule, {"x": (3, 5)})).lanes == FOLD_LANES
+    True
     """
     check_variant(variant)
     if variant == "split":
@@ -240,11 +244,12 @@ def gemm_blocks(rule: FusionRule, geo: Geometry, threads: int) -> dict[str, int]
     >>> import redfuser
     >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("rmsnorm_gemm")
-    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)}), 2)
-    {'mr': 6, 'nr': 64, 'kc': 512, 'nc': 256, 'mc': 258, 'nt': 2}
-    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4096, 512), "w": (512, 100)}), 2)
-    {'mr': 6, 'nr': 64, 'kc': 512, 'nc': 128, 'mc': 258, 'nt': 1}
-    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4, 4096), "w": (4096, 100)}), 2) is None
+    >>> blocks = gemm_blocks(rule, shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)}), 2)
+    >>> blocks["kc"], blocks["nc"] % blocks["nr"], blocks["mc"] % blocks["mr"]
+    (512, 0, 0)
+    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (4096, 512), "w": (512, 100)}), 2)["nt"]
+    1
+    >>> gemm_blocks(rule, shape_geometry(rule, {"x": (3, 4096), "w": (4096, 100)}), 2) is None
     True
     """
     mr = GEMM["mr"][0]

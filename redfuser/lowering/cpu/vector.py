@@ -1,0 +1,113 @@
+"""The host CPU's vector unit and caches: the facts every CPU plan is sized by.
+
+One row of ``VECTOR_ISAS`` per vector instruction set, best first; the host's row is the
+first whose LLVM feature its CPU has (``host_isa``).  A row owns its lane count, its
+register count and the GEMM micro-kernel that fits those registers; ``host_caches`` reads
+the L1 and L2 data cache sizes Linux reports.  Nothing else in the CPU lowering names a
+lane count, a register count or a cache size.
+
+Sizing a micro-kernel: ``rows x vectors`` sums, ``vectors`` panel loads and one broadcast
+live in the registers at once, and there must be enough independent sums to cover the
+multiply-add latency (two pipes x four cycles on recent x86 cores: 8 in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from ...tvm_adapter import cpu_has, cpu_target
+
+FMA_IN_FLIGHT = 8  # multiply-adds in flight per core: 2 pipes x 4 cycles of latency
+
+
+@dataclass(frozen=True)
+class VectorIsa:
+    """One vector instruction set (see the module docstring)."""
+
+    name: str
+    feature: str  # the LLVM CPU feature that has it
+    lanes: int  # float32 lanes of a register
+    registers: int  # vector registers the compiler can allocate
+    gemm_rows: int  # micro-kernel rows (one broadcast each per step)
+    gemm_vectors: int  # micro-kernel columns in registers: nr = vectors x lanes
+    why: str
+
+    @property
+    def gemm_sums(self) -> int:
+        return self.gemm_rows * self.gemm_vectors
+
+    def fits(self, rows: int, columns: int) -> bool:
+        """Do a ``rows x columns`` micro-kernel's sums, panel vectors and broadcast fit the
+        registers (``columns`` a whole number of vectors)?"""
+        vectors, rest = divmod(columns, self.lanes)
+        return not rest and rows * vectors + vectors + 1 <= self.registers
+
+
+VECTOR_ISAS: tuple[VectorIsa, ...] = (
+    VectorIsa("avx512", "avx512f", 16, 32, 6, 4,
+              "6 x 4 = 24 sums + 4 panel vectors + 1 broadcast of 32 zmm (measured on Zen 5, "
+              "RMSNorm + GEMM 256 x 4096 -> 4096)"),
+    VectorIsa("avx2", "avx2", 8, 16, 4, 3,
+              "4 x 3 = 12 sums + 3 panel vectors + 1 broadcast of 16 ymm (measured on Zen 3, "
+              "RMSNorm + GEMM 256 x 4096 -> 4096: 4 x 24 at 43 ms, 6 x 16 at 58 ms)"),
+    VectorIsa("neon", "neon", 4, 32, 6, 4,
+              "6 x 4 = 24 sums + 4 + 1 of 32 q registers (the register budget; not measured)"),
+    VectorIsa("sse2", "sse2", 4, 16, 4, 3,
+              "4 x 3 = 12 sums + 3 + 1 of 16 xmm (the register budget; not measured)"),
+)
+
+
+@dataclass(frozen=True)
+class Caches:
+    """Per-core data cache sizes in bytes."""
+
+    l1: int
+    l2: int
+
+
+DEFAULT_CACHES = Caches(l1=32 << 10, l2=1 << 20)  # where Linux does not say (other systems)
+CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+@lru_cache(maxsize=1)
+def host_isa() -> VectorIsa:
+    """The best row of ``VECTOR_ISAS`` this CPU has (the last one, SSE2, on any x86-64).
+
+    Examples
+    --------
+    >>> isa = host_isa()
+    >>> isa.fits(isa.gemm_rows, isa.gemm_vectors * isa.lanes)
+    True
+    """
+    target = cpu_target()
+    return next((isa for isa in VECTOR_ISAS if cpu_has(target, isa.feature)), VECTOR_ISAS[-1])
+
+
+@lru_cache(maxsize=1)
+def host_caches() -> Caches:
+    """The L1 data and L2 sizes of CPU 0 as Linux reports them (``DEFAULT_CACHES`` where it
+    does not).
+
+    Examples
+    --------
+    >>> caches = host_caches()
+    >>> caches.l2 > caches.l1 > 0
+    True
+    """
+    found = {}
+    for index in sorted(CACHE_DIR.glob("index*")):
+        try:
+            if (index / "type").read_text().strip() != "Instruction":
+                found[int((index / "level").read_text())] = _bytes((index / "size").read_text())
+        except (OSError, ValueError):
+            continue  # an entry Linux does not fill in: the default stands
+    return Caches(l1=found.get(1) or DEFAULT_CACHES.l1, l2=found.get(2) or DEFAULT_CACHES.l2)
+
+
+def _bytes(text: str) -> int:
+    """'32K' -> 32768 (sysfs writes sizes with a K or M suffix)."""
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+    return int(text.rstrip("KM")) * scale
