@@ -27,7 +27,7 @@ from algebra.rule import FusionRule
 from .lowering import FUNC_NAME, Geometry, signature
 from .lowering.signature import call_shapes
 from .runtime import Built
-from .tvm_adapter import ALIGNMENT, from_dlpack, kernel_arg
+from .tvm_adapter import ALIGNMENT, aligned_arg, from_dlpack, kernel_arg
 
 F32 = np.dtype(np.float32)
 
@@ -52,18 +52,54 @@ def _length_key(v) -> tuple:
 
 
 def _key(v) -> tuple:
-    """(kind, shape, dtype, whether it can be handed to the kernel as it is)."""
-    if type(v) is np.ndarray:  # the common case first: an exact type test is the cheapest
-        return ("numpy", v.shape, v.dtype, v.flags.c_contiguous)
-    if isinstance(v, Number):
-        return ("number", (), None, True)
-    if isinstance(v, np.ndarray):  # a subclass: read through the layout check
-        return ("numpy", v.shape, v.dtype, False)
+    """(kind, shape, dtype, whether it can be handed to the kernel as it is), through the
+    key function of ``v``'s type (``_keyer``, looked up once per type: the ABC and
+    attribute checks cost more than the key of a torch tensor itself)."""
+    keyer = _KEYERS.get(type(v))
+    if keyer is None:
+        keyer = _keyer(type(v))
+        if keyer is None:
+            return _instance_key(v)
+        _KEYERS[type(v)] = keyer
+    return keyer(v)
+
+
+def _numpy_key(v) -> tuple:
+    return ("numpy", v.shape, v.dtype, v.flags.c_contiguous)
+
+
+def _number_key(v) -> tuple:
+    return ("number", (), None, True)
+
+
+def _keyer(kind: type):
+    """The key function of the values of type ``kind``: numbers, numpy arrays (a subclass
+    read through the layout check), and tensor types that declare a shape and a dtype
+    (torch's: contiguous, with no lazy view bit set, can be handed over as they are);
+    None for any other type (``_instance_key`` reads each value)."""
+    if issubclass(kind, Number):
+        return _number_key
+    if issubclass(kind, np.ndarray):
+        return lambda v: ("numpy", v.shape, v.dtype, False)
+    if not (hasattr(kind, "shape") and hasattr(kind, "dtype")):
+        return None
+    module, flags = kind.__module__, tuple(f for f, _ in VIEW_BITS if hasattr(kind, f))
+    if not hasattr(kind, "is_contiguous"):
+        return lambda v: (module, tuple(v.shape), v.dtype, False)
+
+    def key(v) -> tuple:
+        plain = v.is_contiguous() and not any(getattr(v, flag)() for flag in flags)
+        return (module, tuple(v.shape), v.dtype, plain)
+    return key
+
+
+def _instance_key(v) -> tuple:
     if not hasattr(v, "shape") or not hasattr(v, "dtype"):
         return ("other", type(v).__name__, None, False)  # the layout check names the problem
-    contiguous = getattr(v, "is_contiguous", lambda: False)()
-    flipped = any(getattr(v, flag, lambda: False)() for flag, _ in VIEW_BITS)
-    return (type(v).__module__, tuple(v.shape), str(v.dtype), contiguous and not flipped)
+    return (type(v).__module__, tuple(v.shape), str(v.dtype), False)
+
+
+_KEYERS = {np.ndarray: _numpy_key}
 
 
 @dataclass(frozen=True)
@@ -134,7 +170,9 @@ def input_arrays(plan: CallPlan, inputs: dict, layout: Layout | None) -> list:
     out = []
     for name, shape in plan.inputs:
         v = inputs[name] if layout is None else layout.arrays[name]
-        if type(v) is not np.ndarray and isinstance(v, Number):  # an ABC check: 0.2 us
+        if type(v) is np.ndarray and v.flags.owndata and v.size:
+            out.append(v.reshape(shape))  # numpy's own memory is aligned (``output_arrays``)
+        elif isinstance(v, Number):
             out.append(np.full(shape, v, F32))
         else:
             out.append(from_dlpack(v.reshape(shape)))
@@ -167,21 +205,23 @@ def _given_outputs(plan: CallPlan, out: dict) -> tuple[dict, list]:
         if given is None:  # aligned as output_arrays' are
             buf = np.empty(o.kernel_shape, o.dtype)
             users[o.name] = buf.reshape(o.user_shape)
-        else:
-            _check_out(o, given)
-            users[o.name], buf = given, given.reshape(o.kernel_shape)
-        args.append(kernel_arg(buf))
+            args.append(kernel_arg(buf))
+            continue
+        _check_out(o, given)
+        arg = aligned_arg(given.reshape(o.kernel_shape))
+        if arg is None:
+            raise ValueError(f"out['{o.name}'] must be C-contiguous and {ALIGNMENT}-byte "
+                             "aligned (numpy's and torch's own allocations are)")
+        users[o.name] = given
+        args.append(arg)
     return users, args
 
 
 def _check_out(o: Output, given) -> None:
     """``given`` can be written by the kernel in place as output ``o``, or a clear error."""
     if (type(given) is np.ndarray and given.shape == o.user_shape and given.dtype == o.dtype
-            and given.flags.c_contiguous and given.flags.writeable
-            # memory numpy allocated itself is aligned (output_arrays); reading the address
-            # of a view costs 0.9 us (ctypes), a third of a 1 x 256 call
-            and (given.flags.owndata or not given.ctypes.data % ALIGNMENT)):
-        return  # the common case, in a few attribute reads
+            and given.flags.c_contiguous and given.flags.writeable):
+        return  # the common case, in a few attribute reads (the caller checks alignment)
     shape, dtype = tuple(getattr(given, "shape", ())), str(getattr(given, "dtype", type(given)))
     if not hasattr(given, "__dlpack__"):
         raise TypeError(f"out['{o.name}'] must be an array or a DLPack tensor, not "

@@ -183,6 +183,17 @@ def from_dlpack(tensor):
     return kernel_arg(out) if 0 in tuple(out.shape) else out
 
 
+def aligned_arg(array):
+    """``array`` as a kernel argument without a copy, or None where it is not contiguous
+    and ALIGNMENT-aligned: DLPack's own check, in C (reading a numpy view's address through
+    ``ctypes`` costs three times as much).  For outputs, which must never be copies."""
+    try:
+        out = tvm_ffi.from_dlpack(array, require_alignment=ALIGNMENT, require_contiguous=True)
+    except (ValueError, RuntimeError, TypeError, BufferError):
+        return None
+    return kernel_arg(out)
+
+
 def kernel_arg(array):
     """``array`` as a kernel argument: as it is, except an empty one, which is replaced by
     a TVM-allocated empty tensor of its shape and dtype (compact strides, see

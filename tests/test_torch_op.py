@@ -50,7 +50,7 @@ def test_inputs_and_outputs_reach_the_kernel_without_a_copy(monkeypatch):
     op = rt.op("attention", scalars=("scale",), tune=False)
     args = _tensors(example_inputs("attention", n=32, rows=(2, 3), d=16), ("scale",))
     handed = []  # the addresses TVM is given, inputs then outputs
-    for fn in ("from_dlpack", "kernel_arg"):
+    for fn in ("from_dlpack", "kernel_arg", "aligned_arg"):
         original = getattr(call, fn)
         monkeypatch.setattr(call, fn, lambda v, f=original: handed.append(v.data_ptr()) or f(v))
     outs = op(*(args[k] for k in op.inputs))
