@@ -82,3 +82,17 @@ def test_generated_kernels_follow_the_oracle_on_special_values(variant, specs, s
         scale = np.abs(np.where(np.isfinite(ref[name]), ref[name], 0.0))
         atol = SAFETY * np.where(stable, slack[name], 0.0) + 1e-5 * (1 + scale)
         assert_matches(np.where(stable, out[name], ref[name]), ref[name], 1e-4, atol, where)
+
+
+@pytest.mark.parametrize("row", [[np.inf, -np.inf], [-np.inf, np.inf], [np.inf, np.inf]])
+def test_a_recomputed_sum_gets_its_anchor_factor_once(row):
+    """Found by the property test above: with a non-finite final anchor the state of
+    ``o = sum(v[i, :] * r0)`` is folded again, and that pass folded the whole body (v * r0)
+    where the state holds v (r0 is applied at finalize): -inf * 2 * -inf came out +inf."""
+    spec = "r0 = min(x[i])\nr1 = sum((x[i] - r0)**2)\no = sum(v[i, :] * r0)"
+    x = np.array([row, [1.0, 2.0], [0.5, 3.0]], np.float32)
+    v = np.ones((3, 2, 3), np.float32)
+    out = redfuser.compile(spec, variant="rolling", tune=False)(x=x, v=v)
+    with np.errstate(all="ignore"):
+        ref = redfuser.reference(spec, {"x": x, "v": v})
+    np.testing.assert_array_equal(out["o"], ref["o"].astype(np.float32))

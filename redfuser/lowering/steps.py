@@ -206,6 +206,7 @@ class SelectSteps:
         r * sum(x) where sum(r * x) at r = inf is NaN over elements of both signs."""
         names = [a.name for a in comp.anchors]
         true = self.running(st, 0, r, names)
+        first = next(g for g in range(len(comp.columns)) if not comp.counts(g))
         cols = [c.name for g, c in enumerate(comp.columns) if not comp.counts(g)]
         wild = T.alloc_buffer((1,), I32, scope=self.scratch)
         T.buffer_store(wild, tirx.const(0, I32), [0])
@@ -223,7 +224,9 @@ class SelectSteps:
             with T.serial(0, self.geo.n) as i:
                 dots = self.dots(r, i)
                 with self.slots(st.widths[total]) as slot:
-                    term = self.expr(comp.reduction.body,
+                    # the column's own basis, not the body: an anchor-only factor of the
+                    # body (o = sum(v * r0): r0) is applied at finalize, after this
+                    term = self.expr(comp.basis[first],
                                      self.base_lookup(r, i, slot, {**dots, **at(true, slot)}))
                     st.set(total, 0, st.get(total, 0, slot) + term, slot)
 

@@ -136,12 +136,17 @@ def resident_fit(rule, geo: Geometry) -> str:
     re-read is that row's share of their streams."""
     later = {s.name for st in rule.staged.stages[1:] for s in st.rule.cascade.streams}
     size = sum(geo.n * geo.inputs[k].width * F32_BYTES for k in sorted(later))
-    cache = RESIDENT_CACHE_BYTES
-    if size <= cache:
-        return (f"a row's {size / 1024:.1f} KB stay in the {cache >> 20} MB L2 between the "
-                "passes: DRAM sees each row once")
-    return (f"a row's {size / 2**20:.1f} MB do not fit the {cache >> 20} MB L2: the later "
-            "passes re-read it from L3 or DRAM (one launch, per-row results stay in the core)")
+    cache = _size(RESIDENT_CACHE_BYTES)
+    if size <= RESIDENT_CACHE_BYTES:
+        return (f"a row's {_size(size)} stay in the {cache} L2 between the passes: DRAM sees "
+                "each row once")
+    return (f"a row's {_size(size)} do not fit the {cache} L2: the later passes re-read it "
+            "from L3 or DRAM (one launch, per-row results stay in the core)")
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in words: '16.0 KB', '2.0 MB'."""
+    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KB"
 
 
 def one_thread(geo: Geometry) -> bool:
