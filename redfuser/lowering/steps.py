@@ -206,8 +206,8 @@ class SelectSteps:
         r * sum(x) where sum(r * x) at r = inf is NaN over elements of both signs."""
         names = [a.name for a in comp.anchors]
         true = self.running(st, 0, r, names)
-        first = next(g for g in range(len(comp.columns)) if not comp.counts(g))
-        cols = [c.name for g, c in enumerate(comp.columns) if not comp.counts(g)]
+        free = [g for g in range(len(comp.columns)) if not comp.counts(g)]  # not the count
+        cols = [comp.columns[g].name for g in free]
         wild = T.alloc_buffer((1,), I32, scope=self.scratch)
         T.buffer_store(wild, tirx.const(0, I32), [0])
         for values in [{a: true[a] for a in names},
@@ -226,7 +226,7 @@ class SelectSteps:
                 with self.slots(st.widths[total]) as slot:
                     # the column's own basis, not the body: an anchor-only factor of the
                     # body (o = sum(v * r0): r0) is applied at finalize, after this
-                    term = self.expr(comp.basis[first],
+                    term = self.expr(comp.basis[free[0]],
                                      self.base_lookup(r, i, slot, {**dots, **at(true, slot)}))
                     st.set(total, 0, st.get(total, 0, slot) + term, slot)
 
