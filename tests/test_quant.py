@@ -83,6 +83,7 @@ def test_clip_facts_and_errors():
 
 HOST = host_int8_target()
 HOST_ISAS = [isa for isa in ISAS if cpu_has(HOST, isa.feature)]  # every one this CPU runs
+ANY_INT8 = [isa for isa in HOST_ISAS if isa.lowest == -128]  # those exact for -128 too
 VNNI_CPU = {"kind": "llvm", "mcpu": "icelake-server"}  # any AVX-512 VNNI CPU LLVM knows
 AMX_CPU = {"kind": "llvm", "mcpu": "sapphirerapids"}  # any AMX CPU LLVM knows
 
@@ -92,7 +93,7 @@ def _run(func, name: str, arrays: list[np.ndarray], target=None):
     ex[name](*(from_numpy(a) for a in arrays))
 
 
-@pytest.mark.parametrize("isa", HOST_ISAS, ids=lambda isa: isa.name)
+@pytest.mark.parametrize("isa", ANY_INT8, ids=lambda isa: isa.name)
 @pytest.mark.parametrize(("m", "k", "n"), [(7, 37, 70), (12, 130, 128), (5, 1100, 40), (1, 1, 1),
                                            (40, 200, 100)])
 def test_int8_gemm_is_exact(isa, m, k, n):
@@ -127,9 +128,34 @@ def test_vnni_kernel_uses_vpdpbusd():
     assert asm.count("vpdpbusd") >= 24 and "zmm" in asm and "vpbroadcastd" in asm
 
 
+def test_an_isa_exact_above_minus_128_is_refused_for_any_int8():
+    """The AVX2 signed-byte dot moves the weight's sign onto the activation, and -(-128) is
+    not a byte: it is refused for int8_gemm's activations, chosen for the quantized ones."""
+    signed = next(isa for isa in ISAS if isa.signs)
+    with pytest.raises(ValueError, match=r"exact for activations in \[-127, 127\]"):
+        int8_gemm(signed, 4, 16, 16)
+    assert isa_for({"kind": "llvm", "mcpu": "znver3"}) is signed
+    assert isa_for({"kind": "llvm", "mcpu": "znver3"}, lowest=-128).lowest == -128
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS, ids=lambda isa: isa.name)
+def test_quant_gemm_extreme_products_are_exact(isa):
+    """Quantized values +-127 against weights -128 and 127, in every sign pattern of a pair:
+    rows of +1 or -1 against a column of -128 make the signed-byte dot's u8 x s8 pair sums
+    -+2 * 128 * 127, the most int16 holds without saturating."""
+    k, n = 256, 32
+    signs = np.float32([[1, 1, 1, 1], [-1, -1, -1, -1], [1, -1, 1, -1], [1, -1, -1, 1]])
+    x = np.tile(signs, (2, k // 4))
+    weights = np.int8([[-128] * 4, [127] * 4, [-128, 127] * 2, [127, -128, -128, 127]])
+    wq = np.tile(weights.T, (k // 4, n // 4))
+    ws = np.ones(n, np.float32)
+    y = QuantGemm(HOST, isa)(x, wq, ws)
+    np.testing.assert_array_equal(y, numpy_quant_gemm(x, wq, ws))
+
+
 def test_int32_overflow_is_refused():
     with pytest.raises(ValueError, match="exceeds"):
-        int8_gemm(HOST_ISAS[0], 1, HOST_ISAS[0].max_k + 1, 16)
+        int8_gemm(ANY_INT8[0], 1, ANY_INT8[0].max_k + 1, 16)
     assert all(isa.max_k >= 65536 for isa in ISAS)  # every K a model uses
 
 

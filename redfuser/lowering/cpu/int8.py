@@ -2,7 +2,8 @@
 the per-token quantization + GEMM kernel on it.
 
 AMX (``amx.TileGemm``) multiplies signed bytes by signed bytes into int32 tiles; the
-register micro-kernels below use ``vpdpbusd`` or ``pmaddwd``.  ``vpdpbusd``
+register micro-kernels below use ``vpdpbusd`` or, on AVX2, ``vpmaddubsw`` with the weight's
+sign moved onto the activation (``_signed_byte_dot``).  ``vpdpbusd``
 (``llvm.x86.avx512.vpdpbusd.512``) adds to each of 16 int32 lanes the dot product of four
 unsigned bytes with four signed bytes.  The activations are signed, so each is stored as
 ``u = q + 128`` (0..255) and the offset is taken back exactly per column:
@@ -65,12 +66,14 @@ class DotIsa:
     nr: int  # micro-kernel columns: mr * nr / lanes accumulator registers
     tiles: bool = False  # AMX: the micro-kernel is ``amx.TileGemm`` on tile registers
     k_step: int = 1  # groups per step of K (a tile row is 64 bytes): K is padded to it
+    signs: bool = False  # u8 x s8 pairs on signed bytes: the sign moved onto the activation
+    lowest: int = -128  # the most negative activation it multiplies exactly
 
     @property
     def max_k(self) -> int:
         """The largest K whose sums of |u * w| <= top * 128 stay in int32 (top: the largest
         |u| of an int8 activation after the offset)."""
-        top = max(abs(-128 + self.offset), 127 + self.offset)
+        top = max(abs(self.lowest + self.offset), 127 + self.offset)
         return (2**31 - 1) // (top * 128)
 
     def groups(self, k: int) -> int:
@@ -83,25 +86,51 @@ class DotIsa:
 
     def dot(self, acc, a_words, b_words):
         a, b = (tirx.reinterpret(self.operand, v) for v in (a_words, b_words))
+        if self.signs:
+            return acc + _signed_byte_dot(self, a, b)
         if self.accumulates:
             return tirx.call_llvm_pure_intrin(acc.ty.dtype, self.intrinsic, acc, a, b)
         return acc + tirx.call_llvm_pure_intrin(acc.ty.dtype, self.intrinsic, a, b)
 
 
-# Best first; LLVM 17+ types vpdpbusd's byte operands as <64 x i8>.  All are exact: s8 x s8,
-# u8 x s8 and s16 x s16 products summed in int32 (pmaddwd's pair sum is at most 2 * 128 * 128).
+# Best first; LLVM 17+ types vpdpbusd's byte operands as <64 x i8>.  All are exact: s8 x s8
+# and u8 x s8 products summed in int32.  AVX2 (one run, 2 cores, 256 x 4096 -> 4096, packed
+# weights): the signed-byte dot runs as fast as the int16 ``pmaddwd`` (about 96 GMAC/s, the
+# rate of a C loop of either), and its weights are half the bytes: 16 MB, so one row
+# (m = 1) takes 0.85 ms against 1.87.  It is exact down to -127 only, so ``int8_gemm``'s
+# activations (any int8) take the int16 row.
 ISAS: tuple[DotIsa, ...] = (
     DotIsa("amx-int8", "amx-int8", "llvm.x86.tdpbssd", 16, 4, I8, 0, "int8x1024", True, 32,
            32, tiles=True, k_step=16),  # 2 x 2 tiles of 16 x 16 int32 sums
     DotIsa("avx512-vnni", "avx512vnni", "llvm.x86.avx512.vpdpbusd.512", 16, 4, U8, 128,
            "int8x64", True, 6, 64),  # 24 of 32 zmm accumulate
-    DotIsa("avx2", "avx2", "llvm.x86.avx2.pmadd.wd", 8, 2, "int16", 0, "int16x16", False,
-           6, 16),  # 12 of 16 ymm accumulate
+    DotIsa("avx2", "avx2", "llvm.x86.avx2.pmadd.ub.sw", 8, 4, I8, 0, "int8x32", False,
+           4, 16, signs=True, lowest=-QMAX),  # 8 of 16 ymm accumulate; |w|, w, 2 temporaries
+    DotIsa("avx2-int16", "avx2", "llvm.x86.avx2.pmadd.wd", 8, 2, "int16", 0, "int16x16",
+           False, 6, 16),  # any int8 activation (-128 too); 12 of 16 ymm accumulate
 )
+PSIGN, PAIRS = "llvm.x86.avx2.psign.b", "llvm.x86.avx2.pmadd.wd"
 
 
-def isa_for(target: dict) -> DotIsa:
-    """The best integer dot product ``target`` has (a clear error when it has none).
+def _signed_byte_dot(isa: DotIsa, x, w):
+    """Per int32 lane, the exact dot product of four signed activation bytes ``x`` with four
+    signed weight bytes ``w``, on u8 x s8 ``vpmaddubsw``: ``x w = |w| (x sgn w)``, with
+    ``|w|`` (``psign(w, w)``; -128 gives the byte 0x80, which is 128 unsigned) as the
+    unsigned operand and ``x sgn w`` (``psign(x, w)``, in [-127, 127]) as the signed one.
+    A pair sum is then at most 2 * 128 * 127 < 2**15: the int16 saturation never happens
+    (it does for fbgemm's offset activations, ``u = x + 128``).  ``pmaddwd`` by ones adds
+    the pairs into int32."""
+    bytes_, pairs = x.ty.dtype, f"int16x{isa.lanes * 2}"
+    magnitude = tirx.call_llvm_pure_intrin(bytes_, PSIGN, w, w)
+    signed = tirx.call_llvm_pure_intrin(bytes_, PSIGN, x, w)
+    sums = tirx.call_llvm_pure_intrin(pairs, isa.intrinsic, magnitude, signed)
+    ones = tirx.Broadcast(tirx.const(1, "int16"), isa.lanes * 2)
+    return tirx.call_llvm_pure_intrin(f"int32x{isa.lanes}", PAIRS, sums, ones)
+
+
+def isa_for(target: dict, lowest: int = -QMAX) -> DotIsa:
+    """The best integer dot product ``target`` has for activations down to ``lowest`` (the
+    quantized range by default; -128 for any int8), a clear error when it has none.
 
     Examples
     --------
@@ -109,9 +138,11 @@ def isa_for(target: dict) -> DotIsa:
     'avx512-vnni'
     >>> isa_for({"kind": "llvm", "mcpu": "znver3"}).name
     'avx2'
+    >>> isa_for({"kind": "llvm", "mcpu": "znver3"}, lowest=-128).name
+    'avx2-int16'
     """
     for isa in ISAS:
-        if cpu_has(target, isa.feature):
+        if cpu_has(target, isa.feature) and isa.lowest <= lowest:
             return isa
     raise ValueError(f"the int8 GEMM needs one of {[i.feature for i in ISAS]}; "
                      f"target {target} has none")
@@ -123,6 +154,14 @@ def _round_up(value: int, step: int) -> int:
 
 def _ramp(start, lanes: int):
     return tirx.Ramp(start, 1, lanes)
+
+
+def check_range(isa: DotIsa, lowest: int) -> None:
+    """Refuse an ISA whose dot product is not exact for activations down to ``lowest``."""
+    if isa.lowest > lowest:
+        raise ValueError(f"the {isa.name} dot product is exact for activations in "
+                         f"[{isa.lowest}, 127]; these reach {lowest} (use isa_for(target, "
+                         f"lowest={lowest}))")
 
 
 def check_k(isa: DotIsa, k: int) -> None:
@@ -195,9 +234,10 @@ class _Gemm:
     in parallel, K in blocks of KC values (a panel's KC x nr slice stays in L1 while every
     strip of rows passes over it), the running sums kept in ``partial`` between K blocks;
     ``epilogue(row, col, acc)`` stores one result (``lanes`` columns, or one in the tail).
-    Measured in one run on 2 loaded cores (256 x 4096 -> 4096, AVX2): K blocks inside the
-    panel loop 374 ms, K blocks outermost (U's block shared in L2, 8 parallel launches)
-    403 ms; 6 x 16 registers 474 ms against 4 x 24 506, 3 x 32 550, 8 x 8 744."""
+    Measured in one run on 2 loaded cores (256 x 4096 -> 4096, int16 AVX2 kernel): K blocks
+    inside the panel loop 374 ms, K blocks outermost (U's block shared in L2, 8 parallel
+    launches) 403 ms.  The AVX2 signed-byte kernel on Zen 3 (one run): 4 x 16 registers
+    44.7 ms, 5 x 16 45.8, 6 x 16 48.9, 3 x 32 50.7, 4 x 24 53.0."""
 
     def __init__(self, isa: DotIsa, bufs: tuple, m: int, k: int, n: int):
         self.isa, (self.u, self.packed, self.partial), self.m, self.n = isa, bufs, m, n
@@ -294,8 +334,8 @@ def scratch_shapes(isa: DotIsa, m: int, k: int, n: int,
 
     Examples
     --------
-    >>> scratch_shapes(ISAS[2], 6, 10, 20)["packed"]
-    ((2, 5, 16), 'int32')
+    >>> scratch_shapes(ISAS[2], 6, 10, 20)["packed"]  # AVX2: 4-byte groups, 16-column panels
+    ((2, 3, 16), 'int32')
     >>> list(scratch_shapes(ISAS[0], 6, 10, 20))  # AMX: no partial sums, no column sums
     ['u', 'packed', 'amax']
     >>> list(scratch_shapes(ISAS[1], 6, 10, 20, packed=True))  # VNNI, weights given packed
@@ -357,13 +397,15 @@ def _zero_rows(u, first: int):
 
 
 def int8_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "int8_gemm"):
-    """PrimFunc ``(q int8 (m, k), w int8 (k, n), y int32 (m, n))``: ``y = q @ w`` exactly.
+    """PrimFunc ``(q int8 (m, k), w int8 (k, n), y int32 (m, n))``: ``y = q @ w`` exactly, for
+    any int8 ``q`` (an ISA exact only above -128 is refused).
 
     Examples
     --------
     >>> "vpdpbusd" in int8_gemm(ISAS[1], 8, 64, 64).script()
     True
     """
+    check_range(isa, -128)
     check_k(isa, k)
     with IRBuilder() as ib:
         with T.prim_func():
@@ -399,6 +441,7 @@ def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm",
     >>> "pmadd" in script and "T.parallel" in script
     True
     """
+    check_range(isa, -QMAX)
     check_k(isa, k)
     with IRBuilder() as ib:
         with T.prim_func():
