@@ -111,6 +111,19 @@ class Output:
 
 
 @dataclass(frozen=True)
+class Fresh:
+    """How one output is allocated on every call, worked out once: its kernel shape and
+    dtype, the user's shape where it differs (else None: a reshape costs 0.3 us), whether
+    it is empty."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    user_shape: tuple[int, ...] | None
+    empty: bool
+
+
+@dataclass(frozen=True)
 class CallPlan:
     """One input signature's call: the compiled function and every argument's shapes.
     ``direct``: every array input can be handed over as it is (float32, C-contiguous);
@@ -123,7 +136,7 @@ class CallPlan:
     outputs: tuple[Output, ...]
     direct: bool
     to_caller: object  # numpy array -> the caller's tensor kind, zero-copy (None: numpy)
-
+    fresh: tuple[Fresh, ...]  # ``outputs`` as allocated when the caller gives no ``out``
 
 
 def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
@@ -143,7 +156,12 @@ def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
     direct = all(k[-1] and (k[2] is None or _is_f32(k[2])) for _, k in key)
     return CallPlan(geo, built, built.executable[FUNC_NAME],
                     tuple((a.name, shape) for a, shape in zip(sig.inputs, shapes, strict=False)),
-                    outs, direct, caller_kind(inputs))
+                    outs, direct, caller_kind(inputs), tuple(map(_fresh, outs)))
+
+
+def _fresh(o: Output) -> Fresh:
+    user = None if o.user_shape == o.kernel_shape else o.user_shape
+    return Fresh(o.name, o.kernel_shape, o.dtype, user, prod(o.kernel_shape) == 0)
 
 
 def _is_f32(dtype) -> bool:
@@ -187,10 +205,10 @@ def output_arrays(plan: CallPlan, out: dict | None) -> tuple[dict, list]:
     if out:
         return _given_outputs(plan, out)
     users, args = {}, []
-    for o in plan.outputs:
-        buf = np.empty(o.kernel_shape, o.dtype)
-        users[o.name] = buf.reshape(o.user_shape)
-        args.append(buf if buf.size else kernel_arg(buf))  # empty: an N = 0 stream
+    for o in plan.fresh:
+        buf = np.empty(o.shape, o.dtype)
+        users[o.name] = buf if o.user_shape is None else buf.reshape(o.user_shape)
+        args.append(kernel_arg(buf) if o.empty else buf)  # empty: an N = 0 stream
     return users, args
 
 
