@@ -86,6 +86,19 @@ def test_misaligned_and_strided_inputs_are_read_correctly():
         _check(k(x=x), redfuser.reference("logsumexp", {"x": x}))
 
 
+def test_torch_tensors_go_over_as_they_are_only_when_aligned():
+    """A plain CPU tensor is handed to the FFI as it is (no DLPack wrap in Python), where its
+    address is 16-byte aligned: a contiguous but misaligned one (a slice one float in),
+    called with the same signature, is copied and read correctly."""
+    k = redfuser.compile("logsumexp", tune=False)
+    raw = torch.from_numpy(np.random.default_rng(5).normal(size=4 * 64 + 1).astype(np.float32))
+    aligned, misaligned = raw[:-1].reshape(4, 64), raw[1:].reshape(4, 64)
+    assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 == 4
+    for x in (aligned, misaligned, aligned, misaligned):
+        _check(k(x=x), redfuser.reference("logsumexp", {"x": x.numpy()}))
+    assert len(k._calls) == 1  # one signature: the address is checked per call
+
+
 def test_fresh_numpy_memory_is_aligned_as_the_kernels_assume():
     """call.output_arrays relies on numpy's allocations being 16-byte aligned."""
     sizes = [1, 3, 7, 16, 100, 1000, 4097]
