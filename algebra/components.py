@@ -337,15 +337,37 @@ class SelectComponent(Component):
         """A selection of an anchored body: exact only where the final anchors are finite."""
         return bool(self.anchors)
 
+    @property
+    def flat_factors(self) -> tuple[sp.Expr, ...]:
+        """The anchor-only factors of dF/du.  The commutation max(F(g, a)) = F(max(g), a)
+        is proven for real anchors at which F is strictly monotone; where such a factor is
+        0 or not finite at the final anchors, F is flat or NaN in g, and the elements'
+        own F(g) decide (r2 = max(x * r0) with r0 = min(sigmoid(x)) = 0, reached at
+        x = -inf: the reference's max holds 0 * -inf = NaN, 0 * max(x) is 0).
+
+        Examples
+        --------
+        >>> from algebra.pipeline import derive
+        >>> rule = derive("r0 = min(sigmoid(x[i])); r2 = max(x[i] * r0)")
+        >>> [c.flat_factors for c in rule.components if c.anchors]
+        [(r0,)]
+        """
+        names = {a.name for a in self.anchors}
+        return tuple(f for f in sp.Mul.make_args(sp.factor_terms(sp.diff(self.outer, U)))
+                     if f.free_symbols and {v.name for v in f.free_symbols} <= names)
+
     def reselect(self, env: dict, result: np.ndarray, n: int, dt) -> np.ndarray:
         """The result (values, or indices) where every final anchor is finite, else the
         selection over the body itself.  The commutation argmax(F(g, a)) = argmax(g) is
         proven for real a; at a NaN or infinite anchor F is flat or NaN in g (exp(x - NaN)
-        is NaN for every x, so the lowest indices win, as in the reference).  ``env``: the
+        is NaN for every x, so the lowest indices win, as in the reference), and so it is
+        where a ``flat_factors`` entry is 0 or not finite.  ``env``: the
         whole stream (*rows, N, F), the parameters and the final results; ``n``: the stream
         length."""
         anchors = [np.asarray(env[a.name]) for a in self.anchors]
-        flat = np.any([~np.isfinite(a) for a in anchors], axis=0)
+        factors = [np.asarray(compile_expr(f)(env, dt)) for f in self.flat_factors]
+        flat = np.any([~np.isfinite(a) for a in anchors] +
+                      [(f == 0) | ~np.isfinite(f) for f in factors], axis=0)
         if not np.any(flat):
             return result
         v = np.asarray(compile_expr(self.reduction.body)(env, dt), dt)

@@ -63,11 +63,14 @@ def running_values(cascade: Cascade, components) -> dict[str, sp.Expr]:
     which is what keeps the anchored sums small (Welford/Chan).  At the end n = N.
     """
     results, count = cascade.results, cascade.count
+    last = {c.reduction.name: k for k, c in enumerate(components)}  # a product has two
     out: dict[str, sp.Expr] = {}
-    for comp in components:
+    for k, comp in enumerate(components):
         name = comp.reduction.name
         out[name] = comp.finalize.subs({N: count}).subs(
             {a: out[a.name] for a in comp.anchors}, simultaneous=True)
+        if k != last[name]:  # the sign of a product, before its value: not the result yet
+            continue
         for epi, expr in cascade.epilogues.items():
             if epi not in out and expr.free_symbols & set(results.values()) <= {
                     results[k] for k in out}:
@@ -388,9 +391,13 @@ def _log_sum(r: Reduction, body, logged: set, anchors: set, streams: set,
 
 def _polar_obligations(name: str, body, sign, log_abs, atoms) -> list[Obligation]:
     """body = sign * exp(log_abs): per atom a, sign(a) * exp(log|a|) = a; and the whole, with
-    each sign(a) written a * exp(-log|a|) (which the atom identity licenses)."""
-    out = [Obligation(f"{name}: polar form of {a}", "sign(a) * exp(log|a|) = a",
-                      sp.sign(a) * sp.exp(sp.log(sp.Abs(a))), a)
+    each sign(a) written a * exp(-log|a|) (which the atom identity licenses).  The atom
+    identity is a law of every real value, proven on a real symbol standing for the atom:
+    sympy cannot decide it on sqrt(x) + r / x, which it does not know to be real (in
+    float32 it is real or NaN, and NaN is NaN on both sides)."""
+    t = sp.Dummy("a", real=True)
+    out = [Obligation(f"{name}: polar form of {a}", "sign(a) * exp(log|a|) = a for real a",
+                      sp.sign(t) * sp.exp(sp.log(sp.Abs(t))), t)
            for a in sorted(atoms, key=sp.default_sort_key)]
     per_atom = {sp.sign(a): a * sp.exp(-sp.log(sp.Abs(a))) for a in atoms}
     out.append(Obligation(f"{name}: polar form", "body = sign * exp(sum of log|factor|)",

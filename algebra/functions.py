@@ -150,7 +150,7 @@ class Clip(_Named):
 
     @classmethod
     def eval(cls, x, lo, hi):
-        if x.is_number and lo.is_number and hi.is_number:
+        if x.is_comparable and lo.is_comparable and hi.is_comparable:  # real numbers only
             return sp.Min(sp.Max(x, lo), hi)
 
     def fdiff(self, argindex=1):
@@ -190,7 +190,7 @@ class Maximum(_Named):
             return b
         if b is sp.S.NegativeInfinity:
             return a
-        if a.is_number and b.is_number:
+        if a.is_comparable and b.is_comparable:  # real numbers: (-1/2)**sqrt(pi) is not
             return sp.Max(a, b)
 
     def _eval_is_extended_real(self):
@@ -213,7 +213,7 @@ class Minimum(_Named):
             return b
         if b is sp.S.Infinity:
             return a
-        if a.is_number and b.is_number:
+        if a.is_comparable and b.is_comparable:  # real numbers: (-1/2)**sqrt(pi) is not
             return sp.Min(a, b)
 
     def _eval_is_extended_real(self):

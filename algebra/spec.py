@@ -397,10 +397,21 @@ class _Lifter:
 
 
 def _undefined(value: sp.Expr) -> bool:
-    """Division by zero, or a constant that is not real (pow(-1, 1/3), log(-1))."""
+    """Division by zero, or a constant that is not real (pow(-1, 1/3), log(-1), and
+    pow(-1, pi), whose realness sympy's assumptions leave open: its value decides)."""
     if value.has(sp.zoo, sp.nan, sp.I):
         return True
-    return any(n.is_number and n.is_extended_real is False for n in sp.preorder_traversal(value))
+    return any(n.is_number and _not_real(n) for n in sp.preorder_traversal(value))
+
+
+def _not_real(n: sp.Expr) -> bool:
+    real = n.is_extended_real
+    if real is not None:
+        return not real
+    try:
+        return complex(n).imag != 0
+    except (TypeError, ValueError, OverflowError):  # no numeric value: left to the proofs
+        return False
 
 
 def _target_name(stmt: ast.stmt) -> str:

@@ -6,6 +6,8 @@ regression test per distinct engine failure the fuzzer has found (smallest spec 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from conftest import (
@@ -186,6 +188,46 @@ def test_arbitrary_text_is_a_rule_or_a_spec_error(text):
 
 
 # -- specific specs ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["r0 = prod(x[i] + x[i])\nr1 = r0",
+                                  "p = prod(x[i] + N)\ne = exp(p)\ns = sum(x[i] * p)"])
+def test_a_result_read_from_a_product_is_its_value_not_its_sign(spec):
+    """Found by the fuzzer: a product derives two components (its signs, then its log-sum)
+    under one name, and an epilogue reading it was formed after the first: r1 = r0 came
+    out r0.sign (1.0 against 10.3), in rule.evaluate and in the kernel."""
+    rule = derive_or_reject(spec)
+    inputs = make_inputs(rule, np.random.default_rng(0))
+    ref = redfuser.reference(spec, inputs)
+    kernel = redfuser.compile(spec, tune=False)(
+        **{k: np.asarray(v, np.float32) for k, v in inputs.items()})
+    for name in ref:
+        assert_matches(rule.evaluate(inputs)[name], ref[name], 1e-9, 0, name)
+        assert_matches(kernel[name], ref[name], 1e-5, 0, name)
+
+
+@pytest.mark.parametrize("spec, error", [
+    ("r0[i] = x[i]\nr1 = sum(pow(-1, pi))", "line 2, column 10: 'pow(-1, pi)' is undefined"),
+    ("r = prod(maximum(pow(x[i] - 0.5, sqrt(pi)), log(1) - tanh(0.5)))", None),
+    ("r0 = (sqrt(x[i]) + r2 / x[i]) * x[i]\nr1 = prod(r0)", None),
+])
+def test_specs_the_fuzzer_found_derive_or_name_their_constant(spec, error):
+    """Found by the fuzzers: (-1)**pi, whose realness sympy's assumptions leave open, is a
+    complex constant (it reached the numeric compiler as NotImplementedError); max() of
+    such a constant met in a proof raised sympy's "not comparable"; a product of
+    sqrt(x) + r2 / x, which sympy does not know to be real, failed its polar-form proof
+    (a law of every real value, now proven on a real symbol)."""
+    if error:
+        with pytest.raises(redfuser.SpecError, match=re.escape(error)):
+            redfuser.derive(spec, passes="auto")
+        return
+    rule = derive_or_reject(spec)
+    for seed in range(3):
+        inputs = make_inputs(rule, np.random.default_rng(seed))
+        fused, ref = rule.evaluate(inputs), redfuser.reference(spec, inputs)
+        for name in ref:
+            assert_matches(fused[name], ref[name], 1e-6, 1e-8 * (1 + finite_max_abs(ref[name])),
+                           name)
+
 
 @pytest.mark.parametrize("spec, reduction, culprit", [
     ("m = max(x[i]); r = sum(relu(x[i] - m))", "r", "relu"),

@@ -96,3 +96,21 @@ def test_a_recomputed_sum_gets_its_anchor_factor_once(row):
     with np.errstate(all="ignore"):
         ref = redfuser.reference(spec, {"x": x, "v": v})
     np.testing.assert_array_equal(out["o"], ref["o"].astype(np.float32))
+
+
+@pytest.mark.parametrize("variant", ["rolling", "unfused"])
+def test_a_selection_flat_at_a_finite_anchor_is_made_over_the_body(variant):
+    """Found by the property test above: ``r2 = max(x * r0)`` commutes (r0 > 0 over the
+    reals), but r0 = min(sigmoid(x)) is 0 in a row holding -inf, where the reference's
+    max holds -inf * 0 = NaN and r0 * max(x) was 0; the kernel and ``rule.evaluate`` now
+    select over the body where a factor of dF/du (r0) is 0 or not finite."""
+    spec = "r0 = min(sigmoid(x[i]))\nr2 = max(x[i] * r0)"
+    x = np.array([[-np.inf, -0.8, 0.5], [-np.inf, np.inf, 2.0], [-2.0, 1.0, 0.5],
+                  [-800.0, 1.0, 2.0]], np.float32)  # the last: sigmoid underflows to 0
+    out = redfuser.compile(spec, variant=variant, tune=False)(x=x)
+    with np.errstate(all="ignore"):
+        ref = redfuser.reference(spec, {"x": x})
+        evaluated = redfuser.derive(spec).evaluate({"x": x})
+    assert np.isnan(ref["r2"][:2]).all() and np.isfinite(ref["r2"][2:]).all()
+    for got in (out["r2"], evaluated["r2"]):
+        assert_matches(got, ref["r2"], 1e-6, 1e-6, "r2")

@@ -148,7 +148,8 @@ class SelectSteps:
 
     def _reselect(self, st: States, comp, r):
         """Finalize of an anchored selection (``SelectComponent.reselect``): where a final
-        anchor is not finite, F(g, a) is flat or NaN in g (exp(x - NaN), (inf - inf)**3),
+        anchor is not finite, or a ``flat_factors`` entry of dF/du is 0 or not finite
+        there, F(g, a) is flat or NaN in g (exp(x - NaN), (inf - inf)**3, 0 * -inf),
         so the selection is made again over the body itself, element by element (a second
         pass, only in such rows).  The value state becomes the core g at the elements
         chosen (F of it is the body there: the reference's value) where an anchored
@@ -161,6 +162,13 @@ class SelectSteps:
             with T.serial(0, self.geo.width(a)) as slot:  # serial: an or over the slots
                 T.buffer_store(flat, tirx.bitwise_or(flat[0], tirx.Select(
                     isfinite(true[a](slot)), tirx.const(0, I32), tirx.const(1, I32))), [0])
+        for factor in comp.flat_factors:  # F flat at a finite anchor: 0 * -inf is NaN
+            width = max(self.geo.width(v.name) for v in factor.free_symbols)
+            with T.serial(0, width) as slot:
+                f = T.bind(self.expr(factor, self.base_lookup(r, None, slot, at(true, slot))))
+                sharp = tirx.And(isfinite(f), f != const(0))
+                T.buffer_store(flat, tirx.bitwise_or(flat[0], tirx.Select(
+                    sharp, tirx.const(0, I32), tirx.const(1, I32))), [0])
         vname, jname = _names(comp)
         width = st.widths[vname]
         with T.If(flat[0] != tirx.const(0, I32)), T.Then():
