@@ -8,6 +8,11 @@ where a one-pass rule for it exists given the earlier stages' finals: for a chai
 reductions that is the fewest stages.  A stage after the first keeps the ``NotFusable``
 that opened it (``Stage.boundary``): the sub-expression and the reason it could not join
 the stage before.
+
+A later stage that recomputes an earlier stage's costly basis value (threshold_mass's
+``exp(x - m)``) can read it back instead (``RowStash``): the earlier pass writes the value
+into a row buffer while the row is in cache, and the later stage's rule, derived again with
+a stream standing for it, is proven equal to its own (``algebra.stash.row_rewrite``).
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .cascade import Cascade, Reduction, carries_feature_axis
+from .components import LinearComponent
 from .derive import running_values
 from .errors import NotFusable
 from .interpret import run_staged
+from .prove import Obligation
 from .rule import FusionRule
+from .stash import row_rewrite, worth_stashing
 
 DeriveCascade = Callable[[Cascade], FusionRule]
 
@@ -44,6 +52,24 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class RowStash:
+    """Stage ``reader`` reads basis ``column`` of component ``component`` of stage ``writer``
+    from a row buffer the writer's pass fills: ``rule`` is the reader's rule with the stream
+    ``stream`` standing for that value at the writer's final anchors (``obligations`` prove
+    it equal to the reader's own).  It holds in a row whose values were all written at the
+    final anchors; the lowering checks that per row and runs the reader's own rule elsewhere.
+    """
+
+    writer: int
+    component: int
+    column: int
+    reader: int
+    stream: str
+    rule: FusionRule
+    obligations: tuple[Obligation, ...]
+
+
+@dataclass(frozen=True)
 class StagedRule:
     """A cascade as consecutive one-pass stages (``Stage``), each proven as a ``FusionRule``.
 
@@ -54,6 +80,7 @@ class StagedRule:
     cascade: Cascade
     stages: tuple[Stage, ...]
     name: str | None = None
+    stashes: tuple[RowStash, ...] = ()  # later stages reading an earlier one's values
 
     @property
     def passes(self) -> int:
@@ -72,8 +99,10 @@ class StagedRule:
         return tuple(ok for s in self.stages for ok in s.rule.status)
 
     def verify(self) -> bool:
-        """Re-check every stage's proof obligations with sympy; True only if all hold."""
-        return all(s.rule.verify() for s in self.stages)
+        """Re-check every stage's and every row stash's proof obligations with sympy; True
+        only if all hold."""
+        return all(s.rule.verify() for s in self.stages) and all(
+            s.rule.verify() and all(o.check() for o in s.obligations) for s in self.stashes)
 
     def evaluate(self, inputs: dict, chunks=None, tree=None, per_stage=None) -> dict:
         """Run the stages in numpy, in the inputs' dtype: each stage one fused pass (folded in
@@ -106,7 +135,17 @@ class StagedRule:
             if stage.boundary is not None:
                 out.append(f"  boundary: {stage.boundary}")
             out += ["  " + line for line in str(stage.rule).splitlines()]
+        for st in self.stashes:
+            out.append(f"row stash: stage {st.writer + 1} writes {self.stashed_value(st)} at "
+                       f"its final anchors into a row buffer; stage {st.reader + 1} reads it "
+                       f"as {st.stream} where every value of the row was written at them:")
+            out += [f"  {line}" for line in st.rule.cascade.text.splitlines()]
+            out += [f"  [proven] {o.name}: {o.statement()}" for o in st.obligations]
         return "\n".join(out)
+
+    def stashed_value(self, stash: RowStash):
+        """The basis value ``stash`` keeps, at the writer's anchors."""
+        return self.stages[stash.writer].rule.components[stash.component].basis[stash.column]
 
     def to_json(self) -> str:
         return json.dumps({
@@ -115,6 +154,10 @@ class StagedRule:
             "stages": [{"reads": list(s.reads),
                         "boundary": None if s.boundary is None else str(s.boundary),
                         "rule": json.loads(s.rule.to_json())} for s in self.stages],
+            "stashes": [{"writer": s.writer, "reader": s.reader, "stream": s.stream,
+                         "value": str(self.stashed_value(s)), "spec": s.rule.cascade.text,
+                         "proof": [o.statement() for o in s.obligations]}
+                        for s in self.stashes],
         }, indent=2)
 
     def to_latex(self) -> str:
@@ -240,7 +283,41 @@ def staged(cascade: Cascade, derive_cascade: DeriveCascade, name: str | None = N
         stages.append(Stage(rule, tuple(p.name for p in sub.params if p.name in earlier),
                             boundary))
         earlier = _closure(cascade, earlier | {r.name for r in members})
-    return StagedRule(cascade, tuple(stages), name)
+    return StagedRule(cascade, tuple(stages), name, _stashes(stages, derive_cascade))
+
+
+def _stashes(stages: list[Stage], derive_cascade: DeriveCascade) -> tuple[RowStash, ...]:
+    """Per later stage, the first costly basis value of an earlier stage it can read back
+    (``RowStash``), in stage order."""
+    found = (_row_stash(stages, reader, derive_cascade) for reader in range(1, len(stages)))
+    return tuple(s for s in found if s is not None)
+
+
+def _row_stash(stages: list[Stage], reader: int, derive_cascade: DeriveCascade):
+    """The first (writer, component, column) whose scalar basis value the reader's bodies
+    hold up to a per-row factor, with the reader's rule derived again over it; None where
+    there is none (or the rewritten stage is not fusable or not proven)."""
+    cascade = stages[reader].rule.cascade
+    for writer in range(reader):
+        for index, comp in enumerate(stages[writer].rule.components):
+            if not isinstance(comp, LinearComponent) or not comp.anchors:
+                continue
+            for column, psi in enumerate(comp.basis):
+                if comp.counts(column) or not worth_stashing(psi) or \
+                        carries_feature_axis(psi, cascade.vector_inputs):
+                    continue
+                rw = row_rewrite(cascade, psi)
+                if rw is None or not all(o.check() for o in rw.obligations):
+                    continue
+                c = rw.cascade
+                try:
+                    rule = derive_cascade(dataclasses.replace(
+                        c, text=_text(c.reductions, c.epilogues, c.elementwise)))
+                except NotFusable:
+                    continue
+                return RowStash(writer, index, column, reader, rw.stream.name, rule,
+                                rw.obligations)
+    return None
 
 
 def _place(cascade, groups, placed, r: Reduction, k: int, derive_cascade):

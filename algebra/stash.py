@@ -12,6 +12,7 @@ other: an output whose identity sympy does not reduce to zero is not stashed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import sympy as sp
@@ -20,6 +21,7 @@ from .cascade import INDEX, Cascade
 from .components import LinearComponent
 from .names import fresh
 from .prove import Obligation
+from .selects import has_select
 
 STASH_LAW = "stash: the output is the stashed basis value times an element-free factor"
 TILE_MARK = "_t"  # m_t: the anchor m at a tile
@@ -82,3 +84,76 @@ def _first_stash(name: str, expr: sp.Expr, cascade: Cascade, components,
             if ob.check():
                 return Stash(name, index, column, factor, ob)
     return None
+
+
+# Row stashes: a later stage of a staged rule reads a basis value an earlier stage wrote ---
+ROW_STASH_LAW = ("row stash: the later stage reads the earlier stage's basis value at the "
+                 "final anchors in place of the sub-expression it equals up to a per-row factor")
+ROW_STASH_BASE = "stash"  # the name of the stream standing for the stashed value
+
+
+@dataclass(frozen=True)
+class RowRewrite:
+    """A stage's cascade rewritten to read a stashed basis value ``psi`` as the stream
+    ``stream``: every sub-expression ``psi * F`` (``F`` free of the element) of its bodies
+    and per-element outputs became ``stream * F``; ``obligations`` prove each rewritten
+    expression equal to the original with ``stream = psi``."""
+
+    stream: sp.Symbol
+    cascade: Cascade
+    obligations: tuple[Obligation, ...]
+
+
+def worth_stashing(psi: sp.Expr) -> bool:
+    """A basis value is worth a row buffer when it calls a function (``exp``, ``log``, a
+    select): reading it back then saves that call per element; a polynomial of the element
+    costs about the load that would replace it."""
+    return bool(psi.atoms(sp.Function))
+
+
+def row_rewrite(reader: Cascade, psi: sp.Expr) -> RowRewrite | None:
+    """``reader`` (a later stage's cascade, whose anchors are final per-row values) reading
+    ``psi`` (an earlier stage's basis at those final anchors) from a row stash, or None where
+    no sub-expression of it is ``psi`` times an element-free factor.
+
+    Examples
+    --------
+    >>> from algebra import derive
+    >>> stages = derive("threshold_mass").stages
+    >>> psi = stages[0].rule.components[1].basis[0]
+    >>> rw = row_rewrite(stages[1].rule.cascade, psi)
+    >>> rw.cascade.reductions[0].body, all(o.check() for o in rw.obligations)
+    (where(stash/d >= t, stash, 0), True)
+    """
+    varying = {s.name for s in reader.streams} | {INDEX}
+    if not ({s.name for s in psi.free_symbols} & varying):
+        return None
+    stream = sp.Symbol(fresh(ROW_STASH_BASE, set(reader.names)),
+                       **({"positive": True} if psi.is_positive else {"real": True}))
+    exprs = {r.name: r.body for r in reader.reductions} | dict(reader.elementwise)
+    new = {n: _replace(e, psi, stream, varying) for n, e in exprs.items()}
+    if not any(stream in e.free_symbols for e in new.values()):
+        return None
+    obligations = tuple(Obligation(f"{n}: row stash", ROW_STASH_LAW, exprs[n],
+                                   new[n].subs(stream, psi)) for n in exprs if new[n] != exprs[n])
+    reads = set().union(*(e.free_symbols for e in new.values()))
+    cascade = dataclasses.replace(
+        reader, streams=tuple(s for s in reader.streams if s in reads) + (stream,),
+        reductions=tuple(dataclasses.replace(r, body=new[r.name]) for r in reader.reductions),
+        elementwise={n: new[n] for n in reader.elementwise},
+        names=reader.names | {stream.name})
+    return RowRewrite(stream, cascade, obligations)
+
+
+def _replace(e, psi: sp.Expr, stream: sp.Symbol, varying: set):
+    """``e`` with its largest sub-expressions ``psi * F`` (``F`` element-free) as
+    ``stream * F``, top-down (a select is searched branch by branch: its condition reads
+    the element, so it is no such product itself)."""
+    if isinstance(e, sp.Expr) and {s.name for s in e.free_symbols} & varying and \
+            not has_select(e):
+        factor = sp.powsimp(sp.simplify(e / psi))
+        if not ({s.name for s in factor.free_symbols} & varying or factor.has(sp.zoo, sp.nan)):
+            return stream * factor
+    if not e.args:
+        return e
+    return e.func(*(_replace(a, psi, stream, varying) for a in e.args))

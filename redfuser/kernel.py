@@ -205,10 +205,7 @@ class Kernel:
                     key)
 
     def _hand_written(self, geo: Geometry) -> Plan:
-        if self.dynamic:
-            return self.backend.dynamic(self.rule, geo, self.options["variant"],
-                                        self.options["fast_math"])
-        return choose(self.rule, geo, target=self.target, **self.options)
+        return choose(self.rule, geo, target=self.target, dynamic=self.dynamic, **self.options)
 
     def _plan(self, geo: Geometry) -> tuple[Plan, bool]:
         """(plan, from tuning) for this geometry: the tuning database's plan (searched

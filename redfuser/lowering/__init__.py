@@ -27,9 +27,11 @@ __all__ = ["BACKENDS", "FUNC_NAME", "VARIANTS", "Arg", "Backend", "Geometry", "I
 
 def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
            splits: int | None = None, threads: int | None = None, fast_math: bool = True,
-           target: str = "cpu") -> Plan:
+           target: str = "cpu", dynamic: bool = False) -> Plan:
     """The hand-written plan of ``target`` for ``rule`` at ``geo`` (``variant``,
-    ``splits`` and ``threads`` pin what the caller asked for).
+    ``splits`` and ``threads`` pin what the caller asked for); ``dynamic``: of one kernel
+    for every row count and N (the caller has refused splits and targets without such a
+    policy).
 
     Examples
     --------
@@ -39,8 +41,10 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     'rolling'
     """
     if isinstance(rule, StagedLowering):  # a staged rule: its stages in one kernel
-        return staged_choose(rule, geo, variant, splits, threads, fast_math, target)
+        return staged_choose(rule, geo, variant, splits, threads, fast_math, target, dynamic)
     if variant == RESIDENT:
         raise ValueError(f"variant '{RESIDENT}' runs the stages of a staged rule (derive(..., "
                          "passes='auto')); this rule has one pass")
+    if dynamic:
+        return backend(target).dynamic(rule, geo, variant, fast_math)
     return backend(target).choose(rule, geo, variant, splits, threads, fast_math)

@@ -83,7 +83,8 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
                                  ({LENGTH} if not geo.static or geo.n else set()))
         self.assumed: dict = {}  # condition -> sympy true/false (``assuming``)
         self.simd, self.scratch = simd, scratch
-        self.stashed: dict[int, list] = {}  # id(component) -> [(column, output buffer)]
+        # id(component) -> [(column, buffer, its row index: None for the kernel's row)]
+        self.stashed: dict[int, list] = {}
         self.stash_end = 0  # elements [0, stash_end) of each row hold stashed values
         self.stash_anchors: dict = {}  # tile anchor symbol -> the value they were written at
         self.slot_simd = simd if plan.lanes == 1 else 1  # lanes > 1: the lane loop is vector
@@ -214,12 +215,13 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
             cols = [c.name for c in comp.columns]
             width = max(st.widths.get(c, 1) for c in cols)
             fresh = self.fresh(comp, r, i, anchors, dots or {}, basis)
-            stash = dict(self.stashed.get(id(comp), ()))
+            stash = {k: (buf, row) for k, buf, row in self.stashed.get(id(comp), ())}
             with self.slots(width) as slot:
                 for k, (c, value) in enumerate(zip(cols, fresh(slot), strict=True)):
                     if k in stash:  # the basis value is also the output's first factor
                         value = T.bind(value)
-                        T.buffer_store(stash[k], value, [r, i, slot])
+                        buf, row = stash[k]
+                        T.buffer_store(buf, value, [r if row is None else row, i, slot])
                     if c != st.count:
                         st.set(c, lane, st.get(c, lane, slot) + value, slot)
         else:

@@ -25,7 +25,7 @@ class OutputSteps:
         for name, s in self.rule.stashes.items():
             if outs[name].shape[2] == 1:  # a scalar basis value fills a scalar output
                 comp = self.rule.components[s.component]
-                self.stashed.setdefault(id(comp), []).append((s.column, outs[name]))
+                self.stashed.setdefault(id(comp), []).append((s.column, outs[name], None))
         self.stash_end = end if self.stashed else 0
 
     def keep_stash_anchors(self, st: States):
@@ -51,7 +51,7 @@ class OutputSteps:
         Parts of an output that do not depend on the element (``1/d`` of softmax) are
         computed once per row."""
         stashed = {name for name, buf in outs.items()
-                   if any(b is buf for comp in self.stashed.values() for _, b in comp)}
+                   if any(b is buf for comp in self.stashed.values() for _, b, _ in comp)}
         for name, expr in self.rule.cascade.elementwise.items():
             first = 0
             if name in stashed:  # finish the stashed values: one multiply each

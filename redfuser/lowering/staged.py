@@ -25,10 +25,10 @@ RESIDENT = STAGED_VARIANT
 
 def choose(rule: StagedLowering, geo: Geometry, variant: str | None = None,
            splits: int | None = None, threads: int | None = None, fast_math: bool = True,
-           target: str = "cpu") -> Plan:
+           target: str = "cpu", dynamic: bool = False) -> Plan:
     """The plan of a staged rule: ``resident`` (the default: every stage over a row, then
     the next row) or ``unfused`` (one kernel pass per reduction over all rows, the
-    baseline).
+    baseline); ``dynamic``: for every row count and N, from the target's dynamic policy.
 
     Examples
     --------
@@ -43,11 +43,13 @@ def choose(rule: StagedLowering, geo: Geometry, variant: str | None = None,
     if variant not in (None, RESIDENT, "unfused"):
         raise ValueError(f"a staged rule ({passes} passes) runs as variant '{RESIDENT}' or "
                          f"'unfused', not {variant!r}")
+    b = backend(target)
+    target_plan = b.dynamic(rule, geo, "unfused", fast_math) if dynamic else \
+        b.choose(rule, geo, "unfused", splits, threads, fast_math)
     if variant == "unfused":
-        return backend(target).choose(rule, geo, variant, splits, threads, fast_math)
-    target_plan = backend(target).choose(rule, geo, "unfused", splits, threads, fast_math)
+        return target_plan
     why = "requested" if variant else f"{passes} passes over each row in one kernel"
-    fit = backend(target).resident_fit(rule, geo)
+    fit = b.resident_fit(rule, geo, dynamic)
     return dataclasses.replace(target_plan, variant=RESIDENT, row_block=1,
                                reason=f"{why}; {fit}")
 

@@ -124,24 +124,64 @@ def stash_applies(rule: FusionRule, geo: Geometry, plan: Plan) -> bool:
     """Per-element outputs are stashed (``algebra.stash``: written by the statistics pass,
     finished with one multiply) when the row is a single tile of aligned lanes: every
     stashed value was then computed at the same anchors, held in lane 0 afterwards."""
-    step = plan.lanes * plan.tile
     return (bool(rule.stashes) and plan.variant == "rolling" and plan.row_block == 1 and
-            geo.static and
-            plan.lanes > 1 and plan.tile > 1 and geo.n // step == 1 and lane_aligned(rule))
+            single_tile(rule, geo, plan.lanes, plan.tile))
 
 
-def resident_fit(rule, geo: Geometry) -> str:
+def single_tile(rule: FusionRule, geo: Geometry, lanes: int, tile: int) -> bool:
+    """Is each row of ``geo`` folded as one tile of ``lanes`` aligned lanes (every value of the
+    tile computed at the same anchors, lane 0's after the merge)?"""
+    return (geo.static and lanes > 1 and tile > 1 and geo.n // (lanes * tile) == 1 and
+            lane_aligned(rule))
+
+
+def stage_plan(stage: FusionRule, geo: Geometry, plan: Plan) -> Plan:
+    """``plan`` for one stage of a row-resident kernel: the stage's own lanes and tiles (a
+    dynamic plan's for a symbolic N)."""
+    if plan.dynamic:
+        own = dynamic_plan(stage, geo, fast_math=plan.fast_math)
+        return dataclasses.replace(plan, lanes=own.lanes, tile=own.tile)
+    lanes = vector_lanes(stage, geo)
+    return dataclasses.replace(plan, lanes=lanes, tile=tile_for(stage, lanes, geo.n))
+
+
+def row_stashes(rule, geo: Geometry) -> tuple:
+    """The row stashes (``algebra.stages.RowStash``) a row-resident kernel of ``rule`` uses at
+    ``geo``: those whose writer folds each row as one tile (``single_tile``: the values it
+    writes share one set of anchors) and whose rewritten reader keeps the reader's state."""
+    stages, out = rule.staged.stages, []
+    if not geo.static:  # a tile fitted to the row needs its length
+        return ()
+    for s in rule.staged.stashes:
+        writer = stages[s.writer].rule
+        lanes = vector_lanes(writer, geo)
+        same_state = [v.symbol.name for v in s.rule.state] == \
+            [v.symbol.name for v in stages[s.reader].rule.state]
+        if same_state and single_tile(writer, geo, lanes, tile_for(writer, lanes, geo.n)):
+            out.append(s)
+    return tuple(out)
+
+
+def resident_fit(rule, geo: Geometry, dynamic: bool = False) -> str:
     """Whether a staged rule's row stays in the L2 (``RESIDENT_CACHE_BYTES``) between its
     passes, in words: a thread folds one row at a time, and what the passes after the first
-    re-read is that row's share of their streams."""
+    re-read is that row's share of their streams (``dynamic``: for rows of any length)."""
     later = {s.name for st in rule.staged.stages[1:] for s in st.rule.cascade.streams}
-    size = sum(geo.n * geo.inputs[k].width * F32_BYTES for k in sorted(later))
     cache = _size(RESIDENT_CACHE_BYTES)
+    if dynamic:
+        width = sum(geo.inputs[k].width * F32_BYTES for k in sorted(later))
+        return (f"rows of any length: a row stays in the {cache} L2 between the passes while "
+                f"its {width} bytes an element fit ({RESIDENT_CACHE_BYTES // max(width, 1)} "
+                "elements)")
+    size = sum(geo.n * geo.inputs[k].width * F32_BYTES for k in sorted(later))
+    stashed = "".join(f"; stage {s.reader + 1} reads {rule.staged.stashed_value(s)} back "
+                      f"from a row stage {s.writer + 1} wrote"
+                      for s in row_stashes(rule, geo))
     if size <= RESIDENT_CACHE_BYTES:
         return (f"a row's {_size(size)} stay in the {cache} L2 between the passes: DRAM sees "
-                "each row once")
+                f"each row once{stashed}")
     return (f"a row's {_size(size)} do not fit the {cache} L2: the later passes re-read it "
-            "from L3 or DRAM (one launch, per-row results stay in the core)")
+            f"from L3 or DRAM (one launch, per-row results stay in the core){stashed}")
 
 
 def _size(nbytes: int) -> str:

@@ -35,8 +35,9 @@ def row_in_shared(rule, geo: Geometry) -> tuple[str, ...]:
     return names if row + state * WORD_BYTES <= SHARED_BYTES else ()
 
 
-def resident_fit(rule, geo: Geometry) -> str:
-    """Where a staged rule's block keeps its row between the passes, in words."""
+def resident_fit(rule, geo: Geometry, dynamic: bool = False) -> str:
+    """Where a staged rule's block keeps its row between the passes, in words (``dynamic``:
+    never, this backend builds per shape)."""
     if row_in_shared(rule, geo):
         return (f"the row is copied to shared memory ({SHARED_BYTES >> 10} KB a block) and "
                 "every pass reads it there: DRAM sees each row once")
