@@ -3,9 +3,10 @@
 Everything that depends only on the inputs' kinds, shapes and dtypes (the layout check,
 the geometry, the plan, the compiled function, every argument's kernel shape and every
 output's user shape) is worked out on the first call with that signature and looked up
-afterwards.  A call then reshapes each input to its kernel view (no copy), hands it to TVM
-through DLPack, and returns views of the buffers the kernel wrote: numpy in gives numpy
-out, a DLPack tensor (torch) in gives the same framework's tensors out, zero-copy.
+afterwards.  The kernel's arguments take the caller's shapes (``signature.call_shape``), so
+a call hands its arrays to TVM as they are (a reshape, no copy, only where an input has
+fewer row axes than the kernel) and returns the buffers the kernel wrote: numpy in gives
+numpy out, a DLPack tensor (torch) in gives the same framework's tensors out, zero-copy.
 ``out=`` supplies preallocated outputs; they are checked once per signature, and a wrong
 shape, dtype, alignment or layout is a clear error naming the output.
 """
@@ -133,7 +134,8 @@ class CallPlan:
     geo: Geometry
     built: Built
     func: object
-    inputs: tuple[tuple[str, tuple[int, ...]], ...]  # kernel argument order and view
+    # kernel argument order: (name, the kernel's view, whether the caller's arrays have it)
+    inputs: tuple[tuple[str, tuple[int, ...], bool], ...]
     outputs: tuple[Output, ...]
     direct: bool
     to_caller: object  # numpy array -> the caller's tensor kind, zero-copy (None: numpy)
@@ -142,11 +144,12 @@ class CallPlan:
 
 
 def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
-              key: tuple, inputs: dict) -> CallPlan:
+              key: tuple, inputs: dict, keep: frozenset | None = None) -> CallPlan:
     """The ``CallPlan`` of a signature whose layout was checked and whose kernel is built
-    (``inputs``: the first call's, whose kinds the key fixes)."""
-    sig, dynamic = signature(rule, geo), built.plan.dynamic
-    shapes = call_shapes(rule, geo, dynamic)  # the kernel's view of every argument
+    (``inputs``: the first call's, whose kinds the key fixes; ``keep``: the per-row results
+    the kernel returns, as ``signature``)."""
+    sig = signature(rule, geo, keep)
+    shapes = call_shapes(rule, geo, keep)  # the kernel's view of every argument
     vector = vector_results(rule.cascade, layout.vector)
     outs = tuple(Output(a.name, shape, _user_shape(rule, layout, a, vector),
                         np.dtype(a.dtype))
@@ -157,10 +160,17 @@ def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
                                f"hold user shape {o.user_shape}")
     direct = all(k[-1] and (k[2] is None or _is_f32(k[2])) for _, k in key)
     return CallPlan(geo, built, built.executable[FUNC_NAME],
-                    tuple((a.name, shape) for a, shape in zip(sig.inputs, shapes, strict=False)),
+                    _input_views(sig, shapes, key),
                     outs, direct, caller_kind(inputs),
                     caller_address(inputs) if all(map(prod, shapes)) else None,  # empty: copied
                     tuple(map(_fresh, outs)))
+
+
+def _input_views(sig, shapes: list, key: tuple) -> tuple:
+    """(name, kernel view, whether the keyed caller's shape is it already) per input."""
+    given = {name: k[1] for name, k in key}
+    return tuple((a.name, shape, tuple(given.get(a.name, ())) == shape)
+                 for a, shape in zip(sig.inputs, shapes, strict=False))
 
 
 def _fresh(o: Output) -> Fresh:
@@ -191,16 +201,18 @@ def input_arrays(plan: CallPlan, inputs: dict, layout: Layout | None) -> list:
     and torch tensors as they are (DLPack in C); TVM never checks the alignment a kernel
     was compiled for, so a tensor goes over as it is only where its address is known to be
     aligned, and through ``tvm_adapter.from_dlpack`` (the check, or an aligned copy)
-    otherwise (torch: 1.1 us against 3.8 us a call)."""
+    otherwise (torch: 1.1 us against 3.8 us a call).  An array already of the kernel's view
+    (the key says so) is handed over without a reshape (0.15 us; torch's: 2 us)."""
     out = []
-    for name, shape in plan.inputs:
+    for name, shape, as_is in plan.inputs:
         v = inputs[name] if layout is None else layout.arrays[name]
         if type(v) is np.ndarray and v.flags.owndata and v.size:
-            out.append(v.reshape(shape))  # numpy's own memory is aligned (``output_arrays``)
+            # numpy's own memory is aligned (``output_arrays``)
+            out.append(v if as_is and layout is None else v.reshape(shape))
         elif isinstance(v, Number):
             out.append(np.full(shape, v, F32))
         elif layout is None and plan.address is not None and plan.address(v) % ALIGNMENT == 0:
-            out.append(v.reshape(shape))  # a plain CPU tensor (the key), aligned
+            out.append(v if as_is else v.reshape(shape))  # a plain CPU tensor (the key), aligned
         else:
             out.append(from_dlpack(v.reshape(shape)))
     return out

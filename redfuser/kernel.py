@@ -66,7 +66,10 @@ def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  #
 
     Options: ``variant`` ("rolling", "split", "unfused"; default: chosen per shape by
     the target's policy), ``splits``, ``fast_math`` (polynomial exp; default True),
-    ``threads``; ``plan`` (a ``lowering.Plan``) fixes every parameter for every shape.
+    ``threads``; ``plan`` (a ``lowering.Plan``) fixes every parameter for every shape;
+    ``outputs`` (names; default all) the outputs a call returns: the per-row results not
+    named stay inside the kernel (``softmax`` with ``outputs=("y",)`` writes y alone), and
+    every per-element output must be named (the pass that writes it is the rule's).
     Only proven rules reach this point: ``derive`` refuses the rest.
 
     Schedules (``tune``): each new shape first looks in the tuning database (written by
@@ -115,6 +118,25 @@ def _check_dynamic(rule: FusionRule, backend_, splits, tune, plan) -> None:
         raise ValueError("dynamic=True needs a streamed input: N is read from its shape")
 
 
+def _kept_results(rule: FusionRule, outputs) -> frozenset | None:
+    """The per-row results a call returns when the caller names ``outputs`` (None: all), or
+    a clear error for a name the rule does not output or a per-element output left out."""
+    if outputs is None:
+        return None
+    if isinstance(outputs, str) or not all(isinstance(n, str) for n in outputs):
+        raise TypeError(f"outputs must be a list of output names, not {outputs!r}")
+    names, every = set(outputs), rule.outputs
+    unknown = sorted(names - set(every))
+    if unknown or not names:
+        raise ValueError(f"outputs names {unknown or 'nothing'}; this kernel's outputs are "
+                         f"{list(every)}")
+    left = [n for n in rule.cascade.elementwise if n not in names]
+    if left:
+        raise ValueError(f"outputs leaves out the per-element output(s) {left}: the pass "
+                         "that writes them is part of the rule, name them too")
+    return frozenset(n for n in names if n not in rule.cascade.elementwise)
+
+
 def _check_options(variant, splits, fast_math, threads, tune, plan) -> None:
     """Refuse option values that no plan can honour, naming the option."""
     if plan is not None and not isinstance(plan, Plan):
@@ -136,9 +158,10 @@ class Kernel:
     def __init__(self, rule: FusionRule, target: str = "cpu", variant: str | None = None,
                  splits: int | None = None, fast_math: bool = True, threads: int | None = None,
                  tune: bool | str | None = None, plan: Plan | None = None,
-                 dynamic: bool = False):
+                 dynamic: bool = False, outputs=None):
         self.backend = backend(target)
         _check_options(variant, splits, fast_math, threads, tune, plan)
+        self.keep = _kept_results(rule, outputs)  # None: every output
         if not isinstance(dynamic, bool):
             raise TypeError(f"dynamic must be True or False, not {dynamic!r}")
         if dynamic:
@@ -151,6 +174,7 @@ class Kernel:
         self._cache: OrderedDict[tuple, Built] = OrderedDict()  # (geometry, plan): LRU
         self._calls: OrderedDict[tuple, CallPlan] = OrderedDict()  # input signature: LRU
         self._last: Built | None = None
+        self._recent: CallPlan | None = None  # the last call's plan, most recent in _calls
 
     # Step 1. Check the inputs ---------------------------------------------------------
     def _layout(self, inputs: dict):
@@ -188,7 +212,7 @@ class Kernel:
     def _build(self, geo: Geometry, plan: Plan) -> Built:
         key = (self._dynamic_key(geo, plan) if plan.dynamic else geo.key(), plan)
         if key not in self._cache:
-            self._cache[key] = build(self.rule, geo, plan, self.target)
+            self._cache[key] = build(self.rule, geo, plan, self.target, keep=self.keep)
             self.builds += 1
             _evict(self._cache)
         self._cache.move_to_end(key)
@@ -232,8 +256,9 @@ class Kernel:
         plan = self._calls.get(key)
         if plan is None:
             plan = self._new_call(key, inputs)
-        self._calls.move_to_end(key)
-        self._last = plan.built
+        elif plan is not self._recent:  # the LRU order moves only when the signature does
+            self._calls.move_to_end(key)
+        self._recent, self._last = plan, plan.built
         if not self.backend.host_memory:
             return self._on_device(plan, inputs, out)
         layout = None if plan.direct else self._layout(inputs)
@@ -244,7 +269,7 @@ class Kernel:
     def _new_call(self, key: tuple, inputs: dict) -> CallPlan:
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
-        plan = call_plan(self.rule, layout, geo, self._compiled(geo), key, inputs)
+        plan = call_plan(self.rule, layout, geo, self._compiled(geo), key, inputs, self.keep)
         self._calls[key] = plan
         _evict(self._calls)
         return plan
@@ -259,7 +284,7 @@ class Kernel:
         users, _ = output_arrays(plan, out)
         tensors = [from_numpy(np.asarray(users[o.name]).reshape(o.kernel_shape), dev)
                    for o in plan.outputs]
-        plan.func(*layout_tensors(layout, plan.geo, dev, plan.built.plan.dynamic), *tensors)
+        plan.func(*layout_tensors(self.rule, layout, plan.geo, dev), *tensors)
         for o, t in zip(plan.outputs, tensors, strict=True):
             np.copyto(np.asarray(users[o.name]).reshape(o.kernel_shape), t.numpy())
         return in_kind(users, out, plan.to_caller)
@@ -270,16 +295,16 @@ class Kernel:
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
         built = self._compiled(geo)
-        args = layout_tensors(layout, geo, built.device(), built.plan.dynamic)
-        outs = allocate_outputs(self.rule, geo, built.plan.dynamic)
+        args = layout_tensors(self.rule, layout, geo, built.device())
+        outs = allocate_outputs(self.rule, geo, self.keep)
         return time_built(built, args + list(outs.values()), repeat)
 
     def time_plan(self, geo: Geometry, plan: Plan, repeat: int = 5, seed: int = 0) -> float:
         """Median milliseconds of ``plan`` built for ``geo`` on random inputs of that
         geometry (what the schedule search measures; the build is cached like a call's)."""
         built = self._compiled(geo, plan)
-        args = random_inputs(geo, seed, plan.dynamic) + \
-            list(allocate_outputs(self.rule, geo, plan.dynamic).values())
+        args = random_inputs(self.rule, geo, seed) + \
+            list(allocate_outputs(self.rule, geo, self.keep).values())
         return time_built(built, args, repeat)
 
     # Step 4. Show ---------------------------------------------------------------------

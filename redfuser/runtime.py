@@ -13,7 +13,7 @@ from algebra.rule import FusionRule
 
 from .lowering import FUNC_NAME, Geometry, Plan, backend, build_primfunc, signature
 from .lowering.fastmath import elementwise_kernel
-from .lowering.signature import param_shape
+from .lowering.signature import call_shape
 from .tvm_adapter import build as tvm_build
 from .tvm_adapter import cpu_target, device, empty_aligned, export_library, from_numpy, time_ms
 
@@ -34,12 +34,14 @@ class Built:
 
 
 def build(rule: FusionRule, geo: Geometry, plan: Plan, target: str = "cpu",
-          tvm_target: dict | None = None) -> Built:
+          tvm_target: dict | None = None, keep: frozenset | None = None) -> Built:
     """Lower and compile ``rule`` at ``geo`` following ``plan`` for ``target`` (the
     backend's kernels), for this machine or for the TVM target ``tvm_target`` (another
-    machine's: e.g. ``{"kind": "llvm", "mcpu": "cortex-a72", "mtriple": "aarch64-linux-gnu"}``).
+    machine's: e.g. ``{"kind": "llvm", "mcpu": "cortex-a72", "mtriple": "aarch64-linux-gnu"}``);
+    ``keep``: the per-row results that are outputs (``signature``; None: all).  Its
+    arguments take the caller's shapes (``signature.call_shape``).
     """
-    func = build_primfunc(rule, geo, plan, FUNC_NAME, target)
+    func = build_primfunc(rule, geo, plan, FUNC_NAME, target, keep=keep, call_view=True)
     return Built(func, tvm_build(func, tvm_target or backend(target).tvm_target()), plan,
                  target)
 
@@ -51,33 +53,30 @@ def export(built: Built, path: str, cross_cc: str | None = None) -> None:
     export_library(built.executable, path, cross_cc)
 
 
-def _input_shape(g, dynamic: bool) -> tuple:
-    """(R_in, L, F), or (*own rows, L, F) for a dynamic kernel (``signature.param_shape``)."""
-    return (*g.rows, g.length, g.width) if dynamic else (g.count, g.length, g.width)
-
-
-def input_tensors(layout: Layout, geo: Geometry, dev, dynamic: bool = False) -> list:
-    """Inputs as (R_in, L, F) tensors in the kernel's argument order (sorted names)."""
-    return [from_numpy(layout.arrays[k].reshape(_input_shape(g, dynamic)), dev)
-            for k, g in sorted(geo.inputs.items())]
+def input_tensors(rule: FusionRule, layout: Layout, geo: Geometry, dev) -> list:
+    """Inputs as tensors of the kernel's argument shapes, in its order (sorted names)."""
+    sig = signature(rule, geo)
+    return [from_numpy(layout.arrays[a.name].reshape(call_shape(rule, geo, a, True)), dev)
+            for a in sig.inputs]
 
 
 def allocate_outputs(rule: FusionRule, geo: Geometry,
-                     dynamic: bool = False) -> dict[str, np.ndarray]:
-    """Fresh aligned arrays for every output, in the kernel's argument order."""
-    sig = signature(rule, geo)
-    return {a.name: empty_aligned(param_shape(a, geo, False) if dynamic else a.shape, a.dtype)
+                     keep: frozenset | None = None) -> dict[str, np.ndarray]:
+    """Fresh aligned arrays for every output (``keep``: as ``signature``), of the kernel's
+    argument shapes, in its order."""
+    sig = signature(rule, geo, keep)
+    return {a.name: empty_aligned(call_shape(rule, geo, a, False), a.dtype)
             for a in sig.outputs}
 
 
-def random_inputs(geo: Geometry, seed: int = 0, dynamic: bool = False) -> list[np.ndarray]:
+def random_inputs(rule: FusionRule, geo: Geometry, seed: int = 0) -> list[np.ndarray]:
     """Random inputs of ``geo`` in argument order: streams ~ N(0, 1); per-row parameters
     in [0.5, 1) (an eps or a scale stays positive)."""
     g = np.random.default_rng(seed)
     out = []
-    for _, inp in sorted(geo.inputs.items()):
-        shape = _input_shape(inp, dynamic)
-        out.append(g.standard_normal(shape, np.float32) if inp.length > 1 else
+    for a in signature(rule, geo).inputs:
+        shape = call_shape(rule, geo, a, True)
+        out.append(g.standard_normal(shape, np.float32) if geo.inputs[a.name].length > 1 else
                    g.uniform(0.5, 1.0, shape).astype(np.float32))
     return out
 
@@ -94,7 +93,7 @@ def time_plan(rule: FusionRule, geo: Geometry, plan: Plan, target: str = "cpu",
     """Median milliseconds of ``plan`` built for ``geo`` on random inputs of that geometry
     (what the schedule search measures when it is given nothing else)."""
     built = build(rule, geo, plan, target)
-    args = random_inputs(geo, seed) + list(allocate_outputs(rule, geo).values())
+    args = random_inputs(rule, geo, seed) + list(allocate_outputs(rule, geo).values())
     return time_built(built, args, repeat)
 
 

@@ -128,3 +128,59 @@ def test_per_shape_caches_are_bounded(monkeypatch):
         k(**inputs)
         assert len(k._cache) <= 2 and len(k._calls) <= 2
     _check(k(**shapes[0]), redfuser.reference("softmax", shapes[0]))
+
+
+@pytest.mark.parametrize("name", ["softmax", "attention", "layernorm", "threshold_mass"])
+def test_arrays_in_the_kernels_shapes_are_handed_over_and_returned_as_they_are(name):
+    """The kernel's arguments take the caller's shapes (``signature.call_shape``): an input
+    already of that shape reaches the compiled function as the same object (no reshape), and
+    each output is the very array the function wrote."""
+    k = redfuser.compile(name, tune=False)
+    inputs = example_inputs(name, n=64, rows=(2, 3), d=16)
+    k(**inputs)
+    (key, plan), = k._calls.items()
+    written = []
+    k._calls[key] = dataclasses.replace(plan, func=lambda *args: (written.extend(args),
+                                                                   plan.func(*args)))
+    k._recent = None  # the replaced plan is the one looked up
+    out = k(**inputs)
+    _check(out, redfuser.reference(name, inputs))
+    arrays = [v for v in inputs.values() if isinstance(v, np.ndarray)]
+    assert arrays and all(any(w is v for w in written) for v in arrays)
+    assert all(any(w is v for w in written) for v in out.values())
+
+
+def test_outputs_names_what_a_call_returns_and_the_rest_stays_inside():
+    x = np.random.default_rng(6).normal(size=(5, 100)).astype(np.float32)
+    ref = redfuser.reference("softmax", {"x": x})
+    k = redfuser.compile("softmax", outputs=["y"], tune=False)
+    out = k(x=x)
+    assert list(out) == ["y"] and len(k.primfunc.params) == 2  # x and y: m, d are inside
+    _check(out, {"y": ref["y"]})
+    y = np.empty_like(x)
+    assert k(x=x, out={"y": y})["y"] is y
+    _check({"y": y}, {"y": ref["y"]})
+    with pytest.raises(ValueError, match=r"out names \['m'\]"):
+        k(x=x, out={"m": np.empty(5, np.float32)})
+    dynamic = redfuser.compile("softmax", outputs=["y", "d"], dynamic=True)
+    for rows in ((5,), (2, 7)):
+        xs = np.random.default_rng(7).normal(size=(*rows, 33)).astype(np.float32)
+        got, want = dynamic(x=xs), redfuser.reference("softmax", {"x": xs})
+        assert sorted(got) == ["d", "y"]
+        _check(got, {n: want[n] for n in got})
+    staged = redfuser.compile("threshold_mass", outputs=["mass"])
+    inputs = example_inputs("threshold_mass", n=300, rows=(4,))
+    got = staged(**inputs)
+    assert list(got) == ["mass"]
+    _check(got, {"mass": redfuser.reference("threshold_mass", inputs)["mass"]})
+
+
+@pytest.mark.parametrize("outputs,error,match", [
+    ("y", TypeError, "a list of output names"),
+    (["q"], ValueError, r"outputs names \['q'\]; this kernel's outputs are \['m', 'd', 'y'\]"),
+    ([], ValueError, "outputs names nothing"),
+    (["m", "d"], ValueError, r"leaves out the per-element output\(s\) \['y'\]"),
+])
+def test_bad_outputs_are_named(outputs, error, match):
+    with pytest.raises(error, match=match):
+        redfuser.compile("softmax", outputs=outputs)

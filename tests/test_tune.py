@@ -316,10 +316,10 @@ def test_a_tuned_plan_that_no_longer_builds_falls_back(cache, monkeypatch):
                          "measured_ms": 0.01})
     real = runtime.build_primfunc
 
-    def stale(rule, geo, plan, *args):
+    def stale(rule, geo, plan, *args, **kwargs):
         if plan.reason.startswith("tuned"):
             raise RuntimeError("this lowering no longer has that plan")
-        return real(rule, geo, plan, *args)
+        return real(rule, geo, plan, *args, **kwargs)
 
     monkeypatch.setattr(runtime, "build_primfunc", stale)
     k = redfuser.compile(rule)

@@ -242,6 +242,6 @@ def _time(spec: str, shapes: dict, lanes: int) -> float:
     tile = min(TILE_ELEMENTS, geo.n) // lanes if lanes > 1 else 1  # the CPU plan's tiles
     plan = Plan("rolling", lanes, 1, True, "calibration", tile=tile)
     built = build(rule, geo, plan)
-    args = random_inputs(geo) + list(allocate_outputs(rule, geo).values())
+    args = random_inputs(rule, geo) + list(allocate_outputs(rule, geo).values())
     time_built(built, args, repeat=1)  # warm-up: JIT and page faults
     return float(np.min([time_built(built, args, repeat=5) for _ in range(3)]))

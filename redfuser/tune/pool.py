@@ -190,7 +190,7 @@ class DevicePool:
         libraries: dict[tuple, str] = {}  # this rule's builds: (geometry, plan) -> library
 
         def run(geo: Geometry, plans: list[Plan], repeat: int, done: Callable[[], None]):
-            arrays = random_inputs(geo) + list(allocate_outputs(rule, geo).values())
+            arrays = random_inputs(rule, geo) + list(allocate_outputs(rule, geo).values())
 
             def library(plan: Plan) -> str:
                 key = (geo.key(), tuple(plan_params(plan).items()), plan.fast_math)
