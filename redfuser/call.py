@@ -85,12 +85,15 @@ def _keyer(kind: type):
         return lambda v: ("numpy", v.shape, v.dtype, False)
     if not (hasattr(kind, "shape") and hasattr(kind, "dtype")):
         return None
-    module, flags = kind.__module__, tuple(f for f, _ in VIEW_BITS if hasattr(kind, f))
+    module = kind.__module__
+    flags = tuple(getattr(kind, f) for f, _ in VIEW_BITS if hasattr(kind, f))  # unbound
     if not (hasattr(kind, "is_contiguous") and hasattr(kind, "is_cpu")):
         return lambda v: (module, tuple(v.shape), v.dtype, False)
 
     def key(v) -> tuple:
-        plain = v.is_cpu and v.is_contiguous() and not any(getattr(v, f)() for f in flags)
+        plain = v.is_cpu and v.is_contiguous()
+        for flag in flags:  # a loop, not any(): a generator costs 0.3 us of a 1.3 us key
+            plain = plain and not flag(v)
         return (module, tuple(v.shape), v.dtype, plain)
     return key
 
