@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -204,7 +205,34 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
                   f"untuned: {'the same plan' if same else describe(fused.plan)}", flush=True)
     if not only or only in "quant+gemm":  # its own columns: torch's int8 Linear, our f32 GEMM
         print(quant_bench.line(quant_bench.row(scale, repeat, torch)), flush=True)
+    if not only or only in "tiny call":
+        print(call_line(torch), flush=True)
     return rows
+
+
+CALLS = 20000  # calls per timeit repeat of the tiny call
+
+
+def call_line(torch) -> str:
+    """What a call costs beyond its kernel: a 1 x 256 softmax (0.7 us of kernel) with every
+    output and with ``outputs=["y"]``, against ``torch.softmax``; microseconds, the best of 7
+    repeats of CALLS calls."""
+    x = np.random.default_rng(1).normal(size=(1, 256)).astype(np.float32)
+    every = redfuser.compile("softmax", tune=False)
+    y_only = redfuser.compile("softmax", tune=False, outputs=["y"])
+
+    def us(fn) -> float:
+        fn()
+        return min(timeit.repeat(fn, number=CALLS, repeat=7)) / CALLS * 1e6
+
+    a, y = us(lambda: every(x=x)), us(lambda: y_only(x=x))
+    line = f"tiny call 1x256 softmax: y, m, d {a:.2f} us, outputs=['y'] {y:.2f} us"
+    if torch is None:
+        return line
+    xt = torch.from_numpy(x)
+    t, y_t = us(lambda: torch.softmax(xt, -1)), us(lambda: y_only(x=xt))
+    return (f"{line}, torch tensor in {y_t:.2f} us, torch.softmax {t:.2f} us; "
+            f"(y, m, d)/torch {a / t:.2f}x, y/torch {y / t:.2f}x")
 
 
 def _add_tuned(row: dict, w: Workload, inputs: dict, fused, repeat: int) -> None:
