@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from ..tvm_adapter import (  # noqa: E402
 from ..tvm_adapter import build as tvm_build  # noqa: E402
 from . import quant_bench  # noqa: E402
 from .metaschedule_compare import print_comparison  # noqa: E402
+from .timing import median_ms, seconds, settle  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -158,16 +158,6 @@ def _causal_flops(a: dict) -> float:
     return 4.0 * h * kept * d
 
 
-def median_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()  # warm-up: compile caches, JIT, page faults
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
-
-
 def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
         only: str | None = None, tuned: bool = False) -> list[dict]:
     try:  # torch is optional (the test extras): without it the torch columns stay empty
@@ -254,9 +244,8 @@ def _alternating(fns: list[Callable[[], object]], repeat: int) -> list[float]:
         fn()  # warm-up
     for _ in range(repeat):
         for fn, out in zip(fns, times, strict=True):
-            start = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - start)
+            settle()
+            out.append(seconds(fn))
     return [float(np.median(t)) * 1e3 for t in times]
 
 
@@ -344,12 +333,6 @@ def fma_peak() -> float:
     fn(arg)
     best = min(seconds(lambda: fn(arg)) for _ in range(3))
     return 2.0 * threads * chains * lanes * STEPS / best / 1e9
-
-
-def seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def limits(torch) -> dict:

@@ -29,7 +29,8 @@ from ..lowering import Plan  # noqa: E402
 from ..tvm_adapter import (  # noqa: E402
     default_threads,  # noqa: E402
     )
-from .bench import fma_peak, limits, seconds  # noqa: E402
+from .bench import fma_peak, limits  # noqa: E402
+from .timing import seconds, settle  # noqa: E402
 
 ROW_BLOCK_PLAN = Plan("rolling", 1, tile=32, row_block=8, reason="rows in blocks of 8, tiles "
                       "of 32 (the product's plan before the GEMM micro-kernel)")
@@ -106,6 +107,7 @@ def run(rows: int, n: int, d: int, rounds: int, blocks: list[str]) -> None:
     times = {k: [] for k in fns}
     for _ in range(rounds):
         for k, fn in fns.items():
+            settle()  # torch's threads spin after its call (timing.py)
             times[k].append(seconds(fn))
     flops, ref = 2.0 * rows * n * d, float(np.median(times["torch"]))
     print(f"\n{rows} x {n} -> {d}, {default_threads()} threads, {rounds} interleaved rounds; "

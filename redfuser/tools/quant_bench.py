@@ -9,7 +9,6 @@ the weights it packed when it was quantized.
 
 from __future__ import annotations
 
-import time
 import warnings
 
 import numpy as np
@@ -18,6 +17,7 @@ import redfuser
 
 from ..quant import QuantGemm
 from ..tvm_adapter import cpu_target
+from .timing import median_ms
 
 ROWS, K, N = 256, 4096, 4096
 WEIGHT_SCALE = 1 / 64  # ws: per-column float scales of the int8 weights
@@ -28,17 +28,9 @@ def median_each(fns: list, repeat: int) -> list[float]:
     """Median ms of each function over ``repeat`` calls in a row after a warm-up call (as the
     bench's other rows).  Not in turns: each call would follow another contender's, whose
     idle threads still spin (numpy's BLAS, torch's OpenMP) and which evicted the caches; in
-    one run our kernel took 12.0 ms alone, 25.7 ms in turns with numpy, 16.4 with torch."""
-    times = []
-    for fn in fns:
-        fn()  # warm-up: compiles, JIT, page faults
-        runs = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            runs.append(time.perf_counter() - start)
-        times.append(float(np.median(runs)) * 1e3)
-    return times
+    one run our kernel took 12.0 ms alone, 25.7 ms in turns with numpy, 16.4 with torch;
+    ``timing.median_ms`` also lets the threads of the one before fall idle first."""
+    return [median_ms(fn, repeat) for fn in fns]
 
 
 def numpy_quant_gemm(x: np.ndarray, wq: np.ndarray, ws: np.ndarray) -> np.ndarray:
