@@ -83,9 +83,9 @@ def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  #
     ``splits`` or ``threads`` also bypasses it.  A corrupt database is ignored with a
     warning.
 
-    ``dynamic=True`` (CPU): one build per row rank, D and broadcast pattern serves every row
-    count and N (the plan says "dynamic shapes"; no split, row blocks, GEMM blocking,
-    stash or tuning database: per-shape kernels stay the default where those pay).
+    ``dynamic=True`` (CPU and CUDA): one build per row rank, D and broadcast pattern serves
+    every row count and N (the plan says "dynamic shapes"; no split, row blocks, GEMM
+    blocking, stash or tuning database: per-shape kernels stay the default where those pay).
 
     Examples
     --------
@@ -108,8 +108,8 @@ def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  #
 def _check_dynamic(rule: FusionRule, backend_, splits, tune, plan) -> None:
     """Refuse what a kernel for every shape cannot honour, naming the option."""
     if backend_.dynamic is None:
-        raise ValueError(f"dynamic=True builds CPU kernels only, not target "
-                         f"'{backend_.name}'")
+        raise ValueError(f"dynamic=True: target '{backend_.name}' builds kernels for static "
+                         "shapes only")
     if splits is not None or (plan is not None and plan.variant == "split"):
         raise ValueError("splits cut each row by its length: they need dynamic=False")
     if tune not in (None, False):

@@ -15,10 +15,20 @@ from conftest import assert_matches
 
 import redfuser
 import redfuser.relax as rr
+from algebra.library import example_inputs
 from redfuser.lowering import shape_geometry
 from redfuser.lowering.geometry import dynamic_key, fits
 from redfuser.relax.bounds import tightened
-from redfuser.tvm_adapter import import_torch, relax, tirx
+from redfuser.relax.driver import fuse_module
+from redfuser.tvm_adapter import (
+    cuda_source,
+    cuda_target,
+    import_torch,
+    nvcc_compile,
+    relax,
+    tirx,
+    tvm,
+)
 
 RTOL, ATOL = 2e-5, 1e-5
 LENGTHS = (0, 1, 7, 64, 333)
@@ -104,7 +114,7 @@ def test_new_broadcast_pattern_is_a_second_build_and_old_ones_stay():
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"splits": 2}, "splits"), ({"variant": "split"}, "split"), ({"tune": True}, "tune"),
-    ({"target": "cuda"}, "CPU"), ({"dynamic": "yes"}, "dynamic")])
+    ({"target": "cuda", "variant": "split"}, "split"), ({"dynamic": "yes"}, "dynamic")])
 def test_options_a_dynamic_kernel_cannot_honour_are_refused(options, message):
     with pytest.raises((ValueError, TypeError), match=message):
         redfuser.compile("softmax", **{"dynamic": True, **options})(x=stream((2,), 8))
@@ -268,3 +278,33 @@ def test_slice_the_bounds_do_not_keep_in_range_is_left_as_it_is():
         func = bb.get()["main"].with_attrs({"tir_var_lower_bound": {"L": 1},
                                             "tir_var_upper_bound": {"L": upper}})
         assert ("T.min" in tightened(func).script()) == clipped, upper
+
+
+# -- CUDA: one build for every length (compile-checked here; run by ``make gpu-check``) ----
+
+@pytest.mark.parametrize("name", ["softmax", "attention", "moe_routing", "threshold_mass"])
+def test_cuda_dynamic_kernel_is_one_build_and_compiles_for_sm90(name):
+    kernel = redfuser.compile(name, target="cuda", dynamic=True)
+    for rows, n in (((3,), 50), ((7,), 300)):
+        kernel.prepare(**example_inputs(name, n=n, rows=rows, d=16))
+    assert kernel.builds == 1 and kernel.plan.dynamic and "any" in kernel.plan.reason
+    src = kernel.cuda_source()
+    assert "blockIdx.x" in src and "threadIdx.x" in src
+    assert b".target sm_90" in nvcc_compile(src, arch="sm_90")
+
+
+def test_relax_symbolic_length_with_a_cuda_target_in_scope_is_fused_for_the_gpu():
+    """A module exported with a symbolic sequence length, with a CUDA target in scope: its
+    cascades become CUDA kernels for every length and the module compiles for sm_90 (the
+    CUDA backend used to skip symbolic functions)."""
+    torch.manual_seed(0)
+    mod = _export_seq(_NormSoftmax().eval(), 512)
+    with tvm.target.Target(cuda_target()):
+        fused, report = fuse_module(mod)
+    assert report.found >= 1 and report.fused == report.found, str(report)
+    for group in report.groups:
+        assert "dynamic shapes" in group.reason and "one block per row" in group.reason
+        assert "threadIdx.x" in fused[group.kernel].script()
+    source = cuda_source(tvm.compile(fused, target=tvm.target.Target(cuda_target())))
+    assert all(g.kernel in source for g in report.groups)
+    assert b".target sm_90" in nvcc_compile(source, arch="sm_90")

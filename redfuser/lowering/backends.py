@@ -41,7 +41,7 @@ BACKENDS: dict[str, Backend] = {
     "cpu": Backend("cpu", "llvm", cpu_target, cpu_plan.choose, cpu_variants.VARIANTS, True,
                    cpu_plan.resident_fit, cpu_plan.dynamic_plan),
     "cuda": Backend("cuda", "cuda", cuda_target, cuda_plan.choose, cuda_variants.VARIANTS, False,
-                    cuda_plan.resident_fit),
+                    cuda_plan.resident_fit, cuda_plan.dynamic_plan),
 }
 
 

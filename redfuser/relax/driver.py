@@ -50,7 +50,7 @@ def fuse_module(mod: IRModule, check_build: bool = True) -> tuple[IRModule, Fuse
                 continue
             if symbolic and not why:
                 mod, found = fuse_symbolic(mod, gv, func, index, function_name(gv),
-                                           (plan_block, _fresh), check_build)
+                                           (plan_block, _fresh), check_build, target.name)
                 entries += found
             else:
                 mod = _fuse_block(mod, gv, func, index, options, entries)

@@ -81,17 +81,19 @@ def kernel_for(group: BindingGroup, rule, name: str, tuned: bool = True,
     return FusedFunc(name, func, inputs, outputs, plan, found, target)
 
 
-def dynamic_kernel_for(group: BindingGroup, rule, name: str, dims) -> FusedFunc:
-    """The kernel of ``rule`` for every row count and N (``Plan.dynamic``), from a group
-    lifted at probe values of the shape variables (``symbolic.py``); ``dims`` maps a
-    probe-valued size back to its expression of the variables, for the call's shapes."""
+def dynamic_kernel_for(group: BindingGroup, rule, name: str, dims,
+                       target: str = "cpu") -> FusedFunc:
+    """The kernel of ``rule`` for every row count and N (``Plan.dynamic``) for backend
+    ``target``, from a group lifted at probe values of the shape variables
+    (``symbolic.py``); ``dims`` maps a probe-valued size back to its expression of the
+    variables, for the call's shapes."""
     geo = group_geometry(group, rule)
-    plan = backend("cpu").dynamic(rule, geo)
+    plan = choose(rule, geo, target=target, dynamic=True)
     # static row axes stay static: fewer shape variables in every index (LLVM took 160 s
     # on attention with rows (1, H, L) all symbolic, 6 s with only L)
     fixed = frozenset(k for k, size in enumerate(geo.rows) if isinstance(dims(size), int))
-    func = _relax_callee(build_primfunc(rule, geo, plan, name, "cpu", fixed, group.read))
-    return FusedFunc(name, func, *dynamic_call_shapes(group, rule, dims), plan)
+    func = _relax_callee(build_primfunc(rule, geo, plan, name, target, fixed, group.read))
+    return FusedFunc(name, func, *dynamic_call_shapes(group, rule, dims), plan, target=target)
 
 
 def dynamic_call_shapes(group: BindingGroup, rule, dims) -> tuple[tuple, tuple]:

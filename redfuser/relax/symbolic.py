@@ -68,10 +68,11 @@ def unprobe(value: int, probes: dict):
 
 
 def fuse_symbolic(mod, gv, func, index: int, fname: str, driver: tuple,
-                  check_build: bool = True) -> tuple:
+                  check_build: bool = True, target: str = "cpu") -> tuple:
     """Fuse the groups of dataflow block ``index`` of ``func`` (which has shape
     variables): (module, report entries).  ``driver``: its (plan_block, fresh name);
-    ``check_build`` compiles each kernel alone first, as the driver's option says."""
+    ``check_build`` compiles each kernel alone first, as the driver's option says;
+    ``target``: the backend that builds the kernels."""
     plan_block, fresh = driver
     probes = probe_sets(func, symbolic_vars(func))
     runs = []
@@ -84,20 +85,20 @@ def fuse_symbolic(mod, gv, func, index: int, fname: str, driver: tuple,
     for k, group in enumerate(groups):
         twins = [g[k] if k < len(g) else None for g in others]
         mod, entry = _apply(mod, gv, index, fname, (group, probe, names), twins, runs,
-                            (fresh, check_build))
+                            (fresh, check_build, target))
         entries.append(entry)
     return mod, entries
 
 
 def _apply(mod, gv, index: int, fname: str, lifted: tuple, twins: list, runs, how: tuple):
-    (group, probe, names), (fresh, check_build) = lifted, how
+    (group, probe, names), (fresh, check_build, target) = lifted, how
     entry = dict(function=fname, values=group.values, ops=group.ops, spec=group.spec)
     rule, reason = derive_spec(group.spec)
     if rule is None:
         return mod, GroupReport(fused=False, reason=reason, **entry)
     name = fresh(mod, f"redfuser_{fname}")
     try:
-        kernel = _kernel(group, rule, name, probe, names)
+        kernel = _kernel(group, rule, name, probe, names, target)
         for twin, other in zip(twins, runs[1:], strict=True):
             _same_at_other_probes(kernel, group, twin, rule, other[0])
         if check_build:
@@ -116,9 +117,10 @@ def _apply(mod, gv, index: int, fname: str, lifted: tuple, twins: list, runs, ho
     return candidate, GroupReport(fused=True, reason=str(kernel.plan), kernel=name, **entry)
 
 
-def _kernel(group, rule, name: str, probe: dict, names: dict):
-    """The dynamic kernel, its inputs read from the original function's values."""
-    kernel = dynamic_kernel_for(group, rule, name, lambda v: unprobe(v, probe))
+def _kernel(group, rule, name: str, probe: dict, names: dict, target: str):
+    """The dynamic kernel for backend ``target``, its inputs read from the original
+    function's values."""
+    kernel = dynamic_kernel_for(group, rule, name, lambda v: unprobe(v, probe), target)
     inputs = tuple((nm, dataclasses.replace(inp, source=_source(inp.source, names)), shape)
                    for nm, inp, shape in kernel.inputs)
     return dataclasses.replace(kernel, inputs=inputs)

@@ -29,6 +29,8 @@ def row_in_shared(rule, geo: Geometry) -> tuple[str, ...]:
     """The streams a staged rule's block copies to shared memory: every stream its stages
     read, when one row of them and the threads' states fit ``SHARED_BYTES`` (else none:
     the stages re-read the row from global memory, through L1/L2)."""
+    if not geo.static:  # a row of any length: its size is not known when building
+        return ()
     names = tuple(sorted({s.name for st in rule.staged.stages for s in st.rule.cascade.streams}))
     row = sum(geo.n * geo.inputs[k].width * WORD_BYTES for k in names)
     state = threads_for(rule, geo) * sum(register_width(rule, geo, s) for s in rule.state)
@@ -37,7 +39,10 @@ def row_in_shared(rule, geo: Geometry) -> tuple[str, ...]:
 
 def resident_fit(rule, geo: Geometry, dynamic: bool = False) -> str:
     """Where a staged rule's block keeps its row between the passes, in words (``dynamic``:
-    never, this backend builds per shape)."""
+    for rows of any length, re-read through the caches)."""
+    if dynamic:
+        return ("rows of any length: the passes re-read the row from global memory (through "
+                "L1/L2; no shared-memory copy of a row whose length is not known)")
     if row_in_shared(rule, geo):
         return (f"the row is copied to shared memory ({SHARED_BYTES >> 10} KB a block) and "
                 "every pass reads it there: DRAM sees each row once")
@@ -62,3 +67,28 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
         return Plan("split", 1, s, fast_math, why, threads)
     return Plan("rolling", 1, 1, fast_math, "one block per row, threads merged by a tree",
                 threads)
+
+
+def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
+                 fast_math: bool = True) -> Plan:
+    """The plan of a kernel for every row count and N (``Plan.dynamic``): one block per row
+    (the grid's size is the row count, read from the arguments), the threads striding over
+    a row of any length; no split (its pieces depend on N), no row copied to shared memory
+    (its size depends on N).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("softmax")
+    >>> plan = dynamic_plan(rule, shape_geometry(rule, {"x": (3, 5)}))
+    >>> plan.variant, plan.threads, plan.dynamic
+    ('rolling', 256, True)
+    """
+    check_variant(variant)
+    if variant == "split":
+        raise ValueError("variant 'split' cuts each row by its length: it needs static "
+                         "shapes (dynamic=False)")
+    why = "requested: one kernel per reduction" if variant == "unfused" else "any rows and N"
+    return Plan(variant or "rolling", 1, 1, fast_math, f"{why}; one block per row, threads "
+                "merged by a tree", threads_for(rule, geo), dynamic=True)

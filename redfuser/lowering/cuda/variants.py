@@ -85,6 +85,13 @@ def _finish_row(em, t, r, threads: int, results, elementwise, fold):
     em.elementwise(r, elementwise, t, threads)
 
 
+def _bind_rows(em: Emitter, r):
+    """Symbolic rows: each broadcast input's row index bound once per block
+    (``Emitter.bind_rows``)."""
+    if not em.geo.static:
+        em.bind_rows(r)
+
+
 def _emitter(rule, geo, plan, bufs, rowvals, scores=None) -> Emitter:
     return Emitter(rule, geo, plan, bufs, rowvals, rounded=cuda_rounded, scores=scores)
 
@@ -93,6 +100,7 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=No
     em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results}, scores)
     with T.launch_thread("blockIdx.x", geo.r) as r:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
+            _bind_rows(em, r)
             zero = tirx.const(0, "int32")
             _finish_row(em, t, r, plan.threads, results, elementwise,
                         lambda own: _fold(em, own, t, r, zero, geo.n, plan.threads))
@@ -132,6 +140,7 @@ def unfused(rule, geo, plan, bufs, results, elementwise):
     em = _emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
     with T.launch_thread("blockIdx.x", geo.r) as r:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
+            _bind_rows(em, r)
             with T.If(t == 0):
                 with T.Then():
                     store_results(em, r, results)
@@ -178,6 +187,7 @@ def resident(rule, geo, plan, bufs, results, elementwise):
             for stage in rule.staged.stages:
                 mine = {name: tmp[name] for name in stage.results}
                 em = _emitter(stage.rule, here, plan, reads, {**rowvals, **mine}, scores)
+                _bind_rows(em, r)
                 st = _gather(em, t, r, plan.threads,
                              lambda own, em=em: _fold(em, own, t, r, zero, geo.n, plan.threads))
                 with T.If(t == 0):
