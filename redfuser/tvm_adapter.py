@@ -265,12 +265,16 @@ def import_torch(model, args: tuple, dynamic_shapes=None) -> IRModule:
     """A PyTorch module as Relax through TVM's own importer (torch.export, then
     from_exported_program); the model runs in inference mode.  ``dynamic_shapes`` is
     torch.export's (``torch.export.Dim`` per symbolic axis): those axes become Relax
-    shape variables."""
+    shape variables.  It traces under the math backend of scaled_dot_product_attention: the
+    graph keeps the one SDPA op either way, but the CPU flash backend's fake output has
+    strides a later ``view`` refuses (transformers' GPT-2 with ``sdpa``: "Cannot view a
+    tensor with shape [2, s, 64] and strides (64, 128, 1)", pytorch/pytorch#141107)."""
     # lazily: torch is an optional dependency, and loading it costs seconds
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from tvm.relax.frontend.torch import from_exported_program  # (imports torch)
 
-    with torch.no_grad():
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         exported = torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes)
         return from_exported_program(exported)
 

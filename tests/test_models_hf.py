@@ -35,3 +35,15 @@ def test_sdpa_export_is_fused_and_reported():
     assert max(r.errors.values()) < ATOL, r.errors
     assert r.unreported == ()
     assert set(ARCHS["llama"].must_fuse["sdpa"]) <= r.fused_ops(), str(r.report)
+
+
+def test_gpt2_with_sdpa_exports_at_a_symbolic_length_and_fuses():
+    """torch.export of GPT-2 with ``sdpa`` failed in transformers' Conv1D ("Cannot view a
+    tensor with shape [2, s, 64] and strides (64, 128, 1)": the CPU flash backend's fake
+    strides); ``import_torch`` traces under the math backend, whose graph holds the same SDPA
+    op."""
+    r = evaluate_hf("gpt2", "sdpa", layers=LAYERS, timing=False)
+    assert r.mode == "dynamic", r.note
+    assert max(r.errors.values()) < ATOL, (r.errors, str(r.report))
+    assert r.unreported == ()
+    assert set(ARCHS["gpt2"].must_fuse["sdpa"]) <= r.fused_ops(), str(r.report)
