@@ -112,9 +112,6 @@ UNSUPPORTED = {  # op -> (Relax value of x: (2, 4, 6, 8), words of its reason)
     "sort": (lambda x: relax.op.sort(x, axis=3), "sort"),
     "avg_pool2d": (lambda x: relax.op.nn.avg_pool2d(x, (2, 2)), "pooling"),
     "adaptive_avg_pool2d": (lambda x: relax.op.nn.adaptive_avg_pool2d(x, (1, 1)), "pooling"),
-    "batch_norm": (lambda x: relax.op.nn.batch_norm(
-        x, *(relax.const(np.ones(4, "float32")) for _ in range(4)), axis=1, training=True),
-                   "running"),
     "attention_window": (lambda x: relax.op.nn.attention(x, x, x, window_size=2), "window"),
     "sum_int": (lambda x: relax.op.sum(relax.op.astype(x, "int32"), axis=[3]), "dtype int32"),
     "prod_single": (lambda x: relax.op.prod(x, axis=[1, 2]), "single reduction"),
@@ -225,3 +222,48 @@ def test_relax_attention_op_lifted(name):
     expected = _attention_reference(*arrays[:3], arrays[3] if bias_shape else None, scale,
                                     causal)
     np.testing.assert_allclose(run(executable, *arrays), expected, **TOL)
+
+
+def _batch_norm_module(shape: tuple, axis: int, training: bool = True):
+    c = shape[axis]
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    params = [relax.Var(n, relax.TensorType((c,), "float32")) for n in ("g", "b", "mm", "mv")]
+    with bb.function("main", [x, *params]):
+        with bb.dataflow():
+            t = bb.emit(relax.op.nn.batch_norm(x, *params, axis=axis, epsilon=1e-5,
+                                               momentum=0.25, training=training))
+            out = bb.emit_output(relax.Tuple([relax.TupleGetItem(t, k) for k in range(3)]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("shape,axis", [((4, 3, 5, 6), 1), ((4, 5, 6, 3), -1), ((16, 7), 1)])
+def test_batch_norm_in_training_is_one_kernel_with_its_running_statistics(shape, axis):
+    """R.nn.batch_norm(training=True): the batch's mean and (biased) variance over every axis
+    but the channel's, the normalised value with its weight and bias, and the running
+    statistics (1 - momentum) * old + momentum * batch (TOPI's semantics), all from one
+    kernel; against float64 numpy."""
+    mod = _batch_norm_module(shape, axis)
+    executable, report = build(mod)
+    assert (report.found, report.fused) == (1, 1), str(report)
+    rng = np.random.default_rng(11)
+    c = shape[axis]
+    x = (rng.normal(size=shape) * 3 + 1).astype(np.float32)
+    g, b, mm = (rng.normal(size=c).astype(np.float32) for _ in range(3))
+    mv = rng.uniform(0.5, 2.0, c).astype(np.float32)
+    got = run(executable, x, g, b, mm, mv)
+    reduced = tuple(a for a in range(len(shape)) if a != axis % len(shape))
+    x64 = x.astype(np.float64)
+    mean, var = x64.mean(reduced, keepdims=True), x64.var(reduced, keepdims=True)
+    bshape = [1] * len(shape)
+    bshape[axis] = c
+    want = [(x64 - mean) / np.sqrt(var + 1e-5) * g.reshape(bshape) + b.reshape(bshape),
+            0.75 * mm + 0.25 * mean.ravel(), 0.75 * mv + 0.25 * var.ravel()]
+    for gv, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(gv, w, **TOL)
+
+
+def test_batch_norm_in_inference_is_no_reduction_and_not_reported():
+    _, report = fuse_module(_batch_norm_module((4, 3, 5, 6), 1, training=False))
+    assert report.found == 0, str(report)

@@ -94,6 +94,9 @@ def _group_view(call, shape: tuple) -> View:
 VIEWS = {  # op -> its reduction view of the data (default: its axis / axes attribute)
     "relax.nn.group_norm": _group_view,
     "relax.nn.instance_norm": lambda call, shape: axes_view(shape, call.attrs.axes),
+    # every axis but the channel's (training statistics)
+    "relax.nn.batch_norm": lambda call, shape: axes_view(
+        shape, [a for a in range(len(shape)) if a != int(call.attrs.axis) % len(shape)]),
 }
 
 
@@ -103,8 +106,9 @@ def weight_shape(call, view: View) -> tuple:
     if op == "relax.nn.group_norm":
         c = int(call.attrs.channel_axis) % (len(shape) - 1)
         return tuple(shape[a] if a in (c, c + 1) else 1 for a in range(len(shape)))
-    if op == "relax.nn.instance_norm":
-        c = int(call.attrs.channel_axis) % len(shape)
+    if op in ("relax.nn.instance_norm", "relax.nn.batch_norm"):
+        attrs = call.attrs
+        c = int(getattr(attrs, "channel_axis", getattr(attrs, "axis", 0))) % len(shape)
         return tuple(shape[a] if a == c else 1 for a in range(len(shape)))
     return tuple(shape[a] if a in view.reduced else 1 for a in range(len(shape)))
 

@@ -77,15 +77,16 @@ STATS = {  # Relax op -> (steps, kind of the value, additive terms of the value)
                              ("let", "({E} - {0}) / sqrt({1} + {eps})")), "elem", ()),
     "relax.nn.group_norm": None,  # LayerNorm's steps over each group (views below)
     "relax.nn.instance_norm": None,  # and over each channel's spatial (or batch) axes
+    "relax.nn.batch_norm": None,  # and over every axis but the channel's (training)
     # RMSNorm (the weight follows as a multiply)
     "relax.nn.rms_norm": ((("red", "sqrt(sum({E}**2) / N + {eps})"), ("let", "{E} / {0}")),
                           "elem", ()),
 }
 
-for _norm in ("relax.nn.group_norm", "relax.nn.instance_norm"):
+for _norm in ("relax.nn.group_norm", "relax.nn.instance_norm", "relax.nn.batch_norm"):
     STATS[_norm] = STATS["relax.nn.layer_norm"]
 NORMS = ("relax.nn.layer_norm", "relax.nn.rms_norm", "relax.nn.group_norm",
-         "relax.nn.instance_norm")  # statistics with a weight (and a bias) after them
+         "relax.nn.instance_norm", "relax.nn.batch_norm")  # a weight (and a bias) after them
 
 SEEDS = {*STATS, "relax.topk", "relax.gather_elements", "relax.nn.attention",
          "relax.nn.attention_bias"}  # ops that start a cascade
@@ -93,10 +94,6 @@ SEEDS = {*STATS, "relax.topk", "relax.gather_elements", "relax.nn.attention",
 # Reductions the pass meets but cannot lift: op -> why (or call -> why, None where the call
 # does not reduce).  The report names each one skipped with its reason, never silently.
 UNLIFTED = {
-    "relax.nn.batch_norm": lambda call: "batch_norm in training also updates the running "
-                                        "statistics (a tuple of three): no lifting (PyTorch's "
-                                        "importer writes it as instance_norm, which lifts)"
-                                        if bool(call.attrs.training) else None,
     "relax.nn.attention_var_len": "attention over packed sequences of symbolic lengths: "
                                   "no lifting",
     "relax.nn.cross_entropy_with_logits": "cross_entropy_with_logits reduces over the batch "
@@ -184,6 +181,39 @@ def _last_axis(axis, rank: int):
 
 
 def statistics(lf: Lifting, call, ty) -> Node:
+    value, _, view = _statistics(lf, call)
+    if value.kind != "elem":
+        return dataclasses.replace(value, shape=static_shape(ty))
+    return dataclasses.replace(value, shape=static_shape(ty), perm=view.perm)
+
+
+def batch_norm(lf: Lifting, call, ty) -> Node:
+    """batch_norm in training: LayerNorm's steps over every axis but the channel's, the
+    weight and bias, and the running statistics updated from the batch's as TOPI does
+    (``(1 - momentum) * moving + momentum * batch``, the variance biased): the op's tuple of
+    three.  In inference it reduces nothing: left as it is, and not reported."""
+    if not bool(call.attrs.training):
+        lf.quiet.add(lf.current)
+        raise Unliftable("batch_norm in inference: no reduction")
+    value, names, view = _statistics(lf, call)
+    mean, var = names[:2]  # LayerNorm's steps: the mean, the variance, the normalised value
+    rows, m = view.out[:-1], literal(float(call.attrs.momentum))
+    fields = [dataclasses.replace(value, shape=static_shape(ty.fields[0]), perm=view.perm)]
+    for moving, batch, field_ty in zip(call.args[3:5], (mean, var), ty.fields[1:], strict=True):
+        old = lf.row(moving, rows, False)
+        stmt = lf.stmt(f"(1 - {m}) * {old.text} + {m} * {batch}", "epi", old.deps | {batch},
+                       call.op.name)
+        frag = merge([value.frag, old.frag], rows, value.frag.n).with_stmt(stmt)
+        fields.append(Node("row", frag, stmt.name, frozenset({stmt.name}),
+                           static_shape(field_ty)))
+    frag = merge([f.frag for f in fields], rows, value.frag.n)
+    fields = [dataclasses.replace(f, frag=frag) for f in fields]
+    return Node("tuple", frag, "", frozenset(), fields[0].shape, fields=tuple(fields))
+
+
+def _statistics(lf: Lifting, call) -> tuple[Node, list[str], View]:
+    """A statistics op's value over its view (a norm's weight and bias applied), the names
+    of its steps, and the view."""
     op, data, attrs = call.op.name, call.args[0], call.attrs
     shape = static_shape(data.ty)
     view = VIEWS[op](call, shape) if op in VIEWS else axes_view(
@@ -206,9 +236,7 @@ def statistics(lf: Lifting, call, ty) -> Node:
                  e.dots if kind == "elem" else frozenset())
     if op in NORMS:
         value = _affine(lf, call, value, view)
-    if kind != "elem":
-        return dataclasses.replace(value, shape=static_shape(ty))
-    return dataclasses.replace(value, shape=static_shape(ty), perm=view.perm)
+    return value, names, view
 
 
 def _affine(lf: Lifting, call, value: Node, view: View) -> Node:
@@ -334,6 +362,7 @@ def reshape(lf: Lifting, call, ty) -> Node:
 OPS = {
     **dict.fromkeys([*UNARY, *BINARY], elementwise),
     **dict.fromkeys(STATS, statistics),
+    "relax.nn.batch_norm": batch_norm,
     "relax.matmul": matmul,
     "relax.topk": topk,
     "TupleGetItem": tuple_item,
