@@ -308,3 +308,20 @@ def test_relax_symbolic_length_with_a_cuda_target_in_scope_is_fused_for_the_gpu(
     source = cuda_source(tvm.compile(fused, target=tvm.target.Target(cuda_target())))
     assert all(g.kernel in source for g in report.groups)
     assert b".target sm_90" in nvcc_compile(source, arch="sm_90")
+
+
+def test_an_empty_stream_gives_no_index_not_a_cast_of_minus_inf():
+    """A call refuses argmax of N = 0; a Relax module with a symbolic N calls the kernel
+    directly, which stored int64(-inf) (undefined in C, INT64_MIN here) and printed a
+    "Casting in BufferStore may lose precision" warning at every build.  It now stores the
+    "no index" sentinel; the values are the identities."""
+    from algebra.components import INDEX_SENTINEL
+    from redfuser.lowering import FUNC_NAME
+    from redfuser.tvm_adapter import from_numpy
+
+    kernel = redfuser.compile("m = max(x[i]); j = argmax(x[i])", dynamic=True)
+    kernel(x=np.ones((2, 5), np.float32))
+    m, j = np.full(2, 7.0, np.float32), np.zeros(2, np.int64)
+    x = from_numpy(np.ones((2, 0), np.float32))
+    kernel._last.executable[FUNC_NAME](x, from_numpy(m), from_numpy(j))
+    assert np.all(m == -np.inf) and np.all(j == INDEX_SENTINEL)

@@ -280,7 +280,11 @@ class SettleSteps:
             expr = epilogues.get(name, sp.Symbol(name))
             with self.slots(width) as slot:
                 look = self.base_lookup(r, None, slot, values)
-                T.buffer_store(buf, self.expr(expr, look), [r, slot])
+                # an arg-reduction of nothing has no index (a call refuses it; a Relax
+                # module with a symbolic N of 0 gets "no index", not int64(-inf))
+                value = tirx.const(INDEX_SENTINEL, I64) if buf.dtype == I64 else \
+                    self.expr(expr, look)
+                T.buffer_store(buf, value, [r, slot])
 
     def _settle(self, st: States, comp, r):
         """Move lane 0 of ``comp`` from its working anchors to the true ones with IEEE
