@@ -271,7 +271,7 @@ def import_torch(model, args: tuple, dynamic_shapes=None) -> IRModule:
     tensor with shape [2, s, 64] and strides (64, 128, 1)", pytorch/pytorch#141107)."""
     # lazily: torch is an optional dependency, and loading it costs seconds
     import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # (torch, as above)
     from tvm.relax.frontend.torch import from_exported_program  # (imports torch)
 
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
