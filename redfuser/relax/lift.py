@@ -138,6 +138,10 @@ class Lifter:
             expr = call.args[0]
         return expr
 
+    def producer(self, expr) -> str:
+        """The op that computes ``expr`` in this function ("" for an input or a constant)."""
+        return _op_name(self.values.get(expr)) if isinstance(expr, relax.Var) else ""
+
     def visible(self, expr) -> bool:
         """Can the current block read ``expr``? (A dataflow var is local to its block.)"""
         return not isinstance(expr, relax.DataflowVar) or any(
