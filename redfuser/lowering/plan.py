@@ -56,8 +56,12 @@ class Plan:
         return f"{self.variant} ({self.lanes} lanes{extra}): {self.reason}"
 
 
-def check_variant(variant: str | None) -> None:
-    """Refuse a variant name no target builds (None: the target's policy picks)."""
+def check_variant(variant: str | None, dynamic: bool = False) -> None:
+    """Refuse a variant name no target builds (None: the target's policy picks), and for a
+    kernel of every N (``dynamic``) the split, whose pieces are cut by the row's length."""
     if variant is not None and variant not in (*VARIANTS, STAGED_VARIANT):
         raise ValueError(f"variant must be one of {(*VARIANTS, STAGED_VARIANT)}, not "
                          f"{variant!r}")
+    if dynamic and variant == "split":
+        raise ValueError("variant 'split' cuts each row by its length: it needs static "
+                         "shapes (dynamic=False)")

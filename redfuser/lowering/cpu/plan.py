@@ -252,10 +252,7 @@ def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
     >>> dynamic_plan(rule, shape_geometry(rule, {"x": (3, 5)})).lanes == FOLD_LANES
     True
     """
-    check_variant(variant)
-    if variant == "split":
-        raise ValueError("variant 'split' cuts each row by its length: it needs static "
-                         "shapes (dynamic=False)")
+    check_variant(variant, dynamic=True)
     lanes = vector_lanes(rule, dataclasses.replace(geo, n=2 * DYNAMIC_TILE_ELEMENTS))
     tile = max(1, DYNAMIC_TILE_ELEMENTS // lanes) if lanes > 1 else tile_for(rule, 1, 0)
     why = ("requested: one pass per reduction" if variant == "unfused" else "any rows and N")

@@ -85,10 +85,7 @@ def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
     >>> plan.variant, plan.threads, plan.dynamic
     ('rolling', 256, True)
     """
-    check_variant(variant)
-    if variant == "split":
-        raise ValueError("variant 'split' cuts each row by its length: it needs static "
-                         "shapes (dynamic=False)")
+    check_variant(variant, dynamic=True)
     why = "requested: one kernel per reduction" if variant == "unfused" else "any rows and N"
     return Plan(variant or "rolling", 1, 1, fast_math, f"{why}; one block per row, threads "
                 "merged by a tree", threads_for(rule, geo), dynamic=True)
