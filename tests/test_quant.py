@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 
+import ml_dtypes
 import numpy as np
 import pytest
 import sympy as sp
@@ -279,3 +280,28 @@ def test_int32_sums_need_a_proven_int8_factor(factor):
     spec = QUANT_GEMM_SPEC.replace("clip(round(x[i] * 127 / a), -127, 127)", factor)
     with pytest.raises(redfuser.NotFusable, match="proven an integer"):
         integer_product_range(spec)
+
+
+def test_fp8_gpu_check_reference_rounds_as_torch_does():
+    """``make gpu-check`` holds the FP8 CUDA kernel to ``fp8_reference`` (its quantized values
+    bit for bit): that reference's e4m3 rounding (ml_dtypes) agrees with torch's own
+    float8_e4m3fn conversion, ties and the +-448 ends included."""
+    import torch
+
+    from redfuser.tools.gpucheck import fp8_reference
+
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(6, 96)).astype(np.float32)
+    x[0, :4] = [1.0, -1.0, 0.5, 0.25]  # the row's max 1: x * 448 lands on exact values
+    x[1, :3] = [3.0, 3.0 * 17 / 448, -3.0 * 19 / 448]  # 17 and 19: halfway between e4m3s
+    wq = (rng.normal(size=(96, 5)) * 16).astype(np.float32)
+    wq = torch.from_numpy(wq).to(torch.float8_e4m3fn)
+    ws = rng.uniform(0.5, 2.0, 5).astype(np.float32)
+    q, a, y, bound = fp8_reference(x, wq.float().numpy().astype(ml_dtypes.float8_e4m3fn), ws)
+    scaled = torch.from_numpy(x) * 448.0 / torch.from_numpy(a)[:, None]
+    expected = scaled.clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert np.array_equal(q.view(np.uint8), expected.view(torch.uint8).numpy())
+    want = (expected.double() @ wq.double()) * (torch.from_numpy(a).double()[:, None] / 448
+                                                * torch.from_numpy(ws).double())
+    np.testing.assert_allclose(y, want.numpy(), rtol=1e-12)
+    assert np.all(bound > 0)

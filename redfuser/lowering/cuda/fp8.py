@@ -12,9 +12,10 @@
 - one thread per output: the e4m3 x e4m3 products (exact in float32: 4 + 4 significant
   bits) summed in float32 over K, scaled ``((acc * a) / 448) * ws`` left to right.
 
-The accumulation rounds in float32 (an FP8 product has no exact integer sum), so this
-variant is checked to compile with nvcc for sm_90, not bit-compared with numpy (which has
-no e4m3).  A tensor-core (wgmma) version is the next step.
+The accumulation rounds in float32 (an FP8 product has no exact integer sum): the tests
+compile it with nvcc for sm_90, and ``make gpu-check`` runs it against numpy's
+quantize-then-GEMM (``tools.gpucheck.fp8_reference``: the quantized values bit for bit,
+``y`` within the float32 summation bound).  A tensor-core (wgmma) version is the next step.
 """
 
 from __future__ import annotations
