@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pytest workers (pytest-xdist): the suite's builds are single-threaded LLVM runs
 JOBS ?= 2
 
-.PHONY: demo test gpu-check bench clean
+.PHONY: demo test gpu-check gpu-bundle bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,10 @@ test: $(STAMP)
 
 gpu-check: $(STAMP)
 	$(PY) -m redfuser.tools.gpucheck
+
+# TVM packed for a GPU machine without network (run there: redfuser/tools/gpu_run.sh)
+gpu-bundle: $(STAMP)
+	bash redfuser/tools/gpu_bundle.sh
 
 bench: $(STAMP)
 	$(PY) -m redfuser.tools.bench

@@ -101,8 +101,11 @@ def cuda_target(arch: str = "sm_90") -> dict:
 
 
 def build(func: tirx.PrimFunc, target: dict):
-    """Compile one PrimFunc; returns the executable (call ``ex[name](*tensors)``)."""
-    return tvm.compile(func, target=target)
+    """Compile one PrimFunc; returns the executable (call ``ex[name](*tensors)``).  Built
+    inside the target's scope: TVM's CUDA compile callback reads the architecture from the
+    scope, and otherwise asks the GPU (none where kernels are only compiled)."""
+    with tvm.target.Target(target):
+        return tvm.compile(func, target=target)
 
 
 def device(target: dict):
@@ -241,10 +244,12 @@ def cuda_source(executable) -> str:
     raise ValueError("the executable holds no CUDA module")
 
 
-def nvcc_compile(source: str, arch: str = "sm_90") -> bytes:
-    """Compile CUDA source with nvcc (must be on PATH) to PTX, inside a CUDA target scope."""
+def nvcc_compile(source: str, arch: str = "sm_90", fmt: str = "ptx") -> bytes:
+    """Compile CUDA source with nvcc (must be on PATH), inside a CUDA target scope, to PTX
+    or (``fmt="cubin"``) to machine code: only then does ptxas check the kernel's resources
+    (shared memory, registers, stack) against the architecture's limits."""
     with tvm.target.Target(cuda_target(arch)):
-        return nvcc.compile_cuda(source, target_format="ptx", arch=arch, compiler="nvcc")
+        return nvcc.compile_cuda(source, target_format=fmt, arch=arch, compiler="nvcc")
 
 
 # --- Relax: names used by redfuser.relax (the model-level pass) ------------------------------

@@ -10,7 +10,9 @@ import pytest
 from conftest import kernel_variants
 
 import redfuser
+from redfuser.lowering import backend, shape_geometry
 from redfuser.lowering.cpu.plan import PARALLEL_MIN_WORK
+from redfuser.tools.bench import workloads
 from redfuser.tvm_adapter import nvcc_compile, structural_equal
 
 VARIANTS = ("rolling", "split", "unfused")
@@ -200,6 +202,33 @@ def test_cuda_source_compiles_with_nvcc_for_sm90(name):
     kernel.prepare(**library_inputs(name, n=300))
     ptx = nvcc_compile(kernel.cuda_source(), arch="sm_90")
     assert b".target sm_90" in ptx
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc is not on PATH: CUDA compile check skipped")
+@pytest.mark.parametrize("workload", range(len(workloads(None))))
+def test_bench_shape_cuda_kernels_fit_the_gpu(workload):
+    """Every kernel `make gpu-check` times, fused and unfused, at the bench's shapes, goes
+    through ptxas (PTX alone is not checked against the GPU's limits): RMSNorm + GEMM's
+    4096-wide state once asked for 512 KB of shared memory a block."""
+    w = workloads(None)[workload]
+    inputs = w.make(np.random.default_rng(0), 1.0)
+    for variant in (None, "unfused"):
+        kernel = redfuser.compile(w.spec, target="cuda", variant=variant)
+        kernel.prepare(**inputs)
+        cubin = nvcc_compile(kernel.cuda_source(), arch="sm_90", fmt="cubin")
+        assert cubin[:4] == b"\x7fELF", (w.name, variant)
+
+
+def test_cuda_matrix_product_runs_as_a_tiled_gemm_and_a_wide_state_is_refused():
+    rule = redfuser.derive("rmsnorm_gemm")
+    geo = shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)})
+    for variant in (None, "unfused"):
+        plan = backend("cuda").choose(rule, geo, variant=variant)
+        assert plan.mr and plan.variant == (variant or "rolling")
+    with pytest.raises(ValueError, match="4096 words|widest: 'y'"):
+        backend("cuda").choose(rule, geo, variant="split")  # the per-row tree of 4096 sums
+    small = shape_geometry(rule, {"x": (8, 300), "w": (300, 64)})
+    assert backend("cuda").choose(rule, small, variant="split").variant == "split"
 
 
 @pytest.mark.parametrize("name", ["attention", "rmsnorm_gemm"])

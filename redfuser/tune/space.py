@@ -47,7 +47,8 @@ from algebra.components import LinearComponent
 
 from ..lowering import VARIANTS, Geometry, Plan, choose
 from ..lowering.cpu.plan import ISA, LANES, TILE_ELEMENTS, gemm_blocks, gemm_plan, vector_lanes
-from ..lowering.cuda.plan import threads_for
+from ..lowering.cuda import plan as cuda_plan
+from ..lowering.products import products
 from ..tvm_adapter import default_threads
 from .work import rule_work
 
@@ -93,7 +94,7 @@ class Space:
                 plan = plan_from_params({"variant": variant, **dict(zip(names, values,
                                                                         strict=True))},
                                         self.fast_math, "candidate")
-                if _valid(plan, self.geo) and not any(same_plan(plan, o) for o in out):
+                if _valid(plan, self.geo, self.target) and not any(same_plan(plan, o) for o in out):
                     out.append(plan)
         return out
 
@@ -128,7 +129,7 @@ class Space:
                         f"here ({', '.join(map(str, allowed))})")
         if plan.fast_math != self.fast_math:
             return f"fast_math={plan.fast_math}, but this space has fast_math={self.fast_math}"
-        if not _valid(plan, self.geo):
+        if not _valid(plan, self.geo, self.target):
             return ("its parameters together break a constraint of the space (a tile must "
                     "fit the stream and the registers, a split piece must hold two tiles, a "
                     "GEMM micro-kernel must fit the vector registers)")
@@ -253,7 +254,13 @@ def _row_block(geo: Geometry, lanes: Param, threads: int) -> Param | None:
 
 
 def _cuda_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param, ...] | None:
-    most = threads_for(rule, geo, limit=max(CUDA_THREADS))
+    if products(rule, geo) and variant != "split":  # the hand-written tiled GEMM, fixed
+        plan = cuda_plan.gemm_plan(rule, geo, variant, True)
+        return tuple(Param(name, (getattr(plan, name),), "the tiled GEMM of the rule's "
+                           "matrix products (not searched)") for name in ("threads", *GEMM_FIELDS))
+    if not cuda_plan.fits(rule, geo):  # no warp's states fit a block's shared memory
+        return None
+    most = cuda_plan.threads_for(rule, geo, limit=max(CUDA_THREADS))
     block = Param("threads", tuple(t for t in CUDA_THREADS if t <= most),
                   "threads per block, combined by a shared-memory merge tree")
     if variant != "split":
@@ -263,11 +270,12 @@ def _cuda_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param
         if values else None
 
 
-def _valid(plan: Plan, geo: Geometry) -> bool:
+def _valid(plan: Plan, geo: Geometry, target: str = "cpu") -> bool:
     """Constraints between parameters: a tile fits the stream and the registers, a split
-    piece holds two tiles; a GEMM micro-kernel's sums, panel vectors and broadcast fit the
-    vector registers and a packed block holds whole panels."""
-    if plan.mr and (plan.nc % plan.nr or not ISA.fits(plan.mr, plan.nr)):
+    piece holds two tiles; a CPU GEMM micro-kernel's sums, panel vectors and broadcast fit
+    the vector registers and a packed block holds whole panels (the CUDA GEMM is fixed)."""
+    cpu_gemm = plan.mr and target == "cpu"
+    if cpu_gemm and (plan.nc % plan.nr or not ISA.fits(plan.mr, plan.nr)):
         return False
     step = plan.lanes * plan.tile
     if step > MAX_TILE_ELEMENTS or step > geo.n:

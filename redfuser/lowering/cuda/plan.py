@@ -7,6 +7,7 @@ from algebra.rule import FusionRule
 
 from ..geometry import Geometry
 from ..plan import Plan, check_variant
+from ..products import products
 from ..registers import register_width
 
 SMS = 132  # streaming multiprocessors of an H100/H200: blocks needed to fill the GPU
@@ -14,6 +15,16 @@ SHARED_BYTES = 48 * 1024  # static shared memory available to a block without op
 MAX_THREADS = 256  # threads per block the hand-written plan starts from
 MIN_THREADS = 32  # one warp: never fewer
 WORD_BYTES = 4  # float32 / the low word of an index: what the shared-memory state holds
+# The tiled GEMM of a rule's matrix products (``gemm.py``): (value, why).  A block computes
+# an MC x NC tile of the output with (MC / MR) x (NC / NR) threads, each MR x NR sums in
+# registers; K in slices of KC staged in shared memory (A: MC x KC, W: KC x NC words).
+GEMM = {
+    "mc": (64, "output rows per block: 4 row tiles of a 256-row GEMM"),
+    "nc": (64, "output columns per block: 256 blocks for 256 x 4096, about 2 per SM"),
+    "kc": (16, "K per shared-memory slice: (64 + 64) x 16 words = 8 KB a block"),
+    "mr": (4, "rows of sums per thread"),
+    "nr": (4, "columns of sums per thread: 16 sums, 8 shared loads per 16 multiply-adds"),
+}
 
 
 def threads_for(rule: FusionRule, geo: Geometry, limit: int = MAX_THREADS) -> int:
@@ -23,6 +34,41 @@ def threads_for(rule: FusionRule, geo: Geometry, limit: int = MAX_THREADS) -> in
     while threads > MIN_THREADS and threads * words * WORD_BYTES > SHARED_BYTES:
         threads //= 2
     return threads
+
+
+def fits(rule: FusionRule, geo: Geometry) -> bool:
+    """Do one warp's states fit a block's shared memory (``check_fits``)?"""
+    words = sum(register_width(rule, geo, s) for s in rule.state)
+    return MIN_THREADS * words * WORD_BYTES <= SHARED_BYTES
+
+
+def check_fits(rule: FusionRule, geo: Geometry) -> None:
+    """Refuse a rule whose per-thread state is too wide for one warp's states to fit the
+    shared memory of a block (the tree merge keeps every thread's state there), naming the
+    widest state; a matrix product's wide state runs as a tiled GEMM instead (``choose``).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("attention")
+    >>> geo = shape_geometry(rule, {"q": (2, 1, 8192), "k": (1, 16, 8192),
+    ...                             "v": (1, 16, 8192), "scale": (1, 1)})
+    >>> try:
+    ...     check_fits(rule, geo)
+    ... except ValueError as e:
+    ...     print(str(e)[:60])
+    the state of 'attention' is 8194 words a thread: 32 threads'
+    """
+    if not fits(rule, geo):
+        widths = {s.symbol.name: register_width(rule, geo, s) for s in rule.state}
+        words = sum(widths.values())
+        widest = max(widths, key=widths.get)
+        raise ValueError(
+            f"the state of '{rule.name}' is {words} words a thread: {MIN_THREADS} threads' "
+            f"states exceed the {SHARED_BYTES >> 10} KB of shared memory a block merges them "
+            f"in (widest: '{widest}', {widths[widest]} words); only a matrix product's wide "
+            "state runs on CUDA (as a tiled GEMM, variant rolling or unfused)")
 
 
 def row_in_shared(rule, geo: Geometry) -> tuple[str, ...]:
@@ -56,6 +102,9 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     """One block per row, threads merged by a tree; split rows over blocks when there are
     fewer rows than SMs and each thread still gets several elements."""
     check_variant(variant)
+    if products(rule, geo) and variant != "split":
+        return gemm_plan(rule, geo, variant, fast_math)
+    check_fits(rule, geo)
     threads = threads_for(rule, geo)
     if variant == "unfused":
         return Plan("unfused", 1, 1, fast_math, "requested: one kernel per reduction", threads)
@@ -67,6 +116,32 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
         return Plan("split", 1, s, fast_math, why, threads)
     return Plan("rolling", 1, 1, fast_math, "one block per row, threads merged by a tree",
                 threads)
+
+
+def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None,
+              fast_math: bool) -> Plan:
+    """Rolling or unfused (``variant``; None: rolling) with the matrix products as the tiled
+    GEMM of ``GEMM``; the rest of the cascade folds per row beside it (``gemm.py``).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("rmsnorm_gemm")
+    >>> print(gemm_plan(rule, shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)}),
+    ...                 None, True))  # doctest: +NORMALIZE_WHITESPACE
+    rolling (1 lanes, GEMM micro-kernel 4 x 4, KC 16, NC 64, MC 64, NT 1): 256 rows hold 1
+    matrix product(s): tiles of 64 x 64 outputs a block, the other reductions in a launch of
+    their own
+    """
+    blocks = {k: v for k, (v, _) in GEMM.items()}
+    threads = (blocks["mc"] // blocks["mr"]) * (blocks["nc"] // blocks["nr"])
+    why = "requested" if variant else f"{geo.r} rows hold {len(products(rule, geo))} matrix " \
+                                      "product(s)"
+    why += f": tiles of {blocks['mc']} x {blocks['nc']} outputs a block, the other " + \
+        ("reductions unfused before them" if variant == "unfused" else
+         "reductions in a launch of their own")
+    return Plan(variant or "rolling", 1, 1, fast_math, why, threads, nt=1, **blocks)
 
 
 def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
@@ -86,6 +161,7 @@ def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
     ('rolling', 256, True)
     """
     check_variant(variant, dynamic=True)
+    check_fits(rule, geo)
     why = "requested: one kernel per reduction" if variant == "unfused" else "any rows and N"
     return Plan(variant or "rolling", 1, 1, fast_math, f"{why}; one block per row, threads "
                 "merged by a tree", threads_for(rule, geo), dynamic=True)

@@ -16,8 +16,10 @@ from ..emitter import Emitter
 from ..geometry import InputGeom
 from ..invariants import rule_scores
 from ..nests import copy_state, epilogue_values, stages, store_results, workspace
+from ..products import products
 from ..registers import States
 from ..signature import F32, result_dtype, result_width
+from . import gemm
 from .plan import row_in_shared
 
 
@@ -96,7 +98,16 @@ def _emitter(rule, geo, plan, bufs, rowvals, scores=None) -> Emitter:
     return Emitter(rule, geo, plan, bufs, rowvals, rounded=cuda_rounded, scores=scores)
 
 
+def _row_state(em, t, r, threads: int) -> States:
+    """Row r folded by ``threads`` threads and merged: thread 0 holds its state."""
+    zero = tirx.const(0, "int32")
+    return _gather(em, t, r, threads, lambda own: _fold(em, own, t, r, zero, em.geo.n, threads))
+
+
 def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=None):
+    if plan.mr and products(rule, geo):
+        return gemm.rolling(rule, geo, plan, bufs, results, elementwise, rowvals or {},
+                            scores, _row_state)
     em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results}, scores)
     with T.launch_thread("blockIdx.x", geo.r) as r:
         with T.launch_thread("threadIdx.x", plan.threads) as t:
