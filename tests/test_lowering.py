@@ -200,8 +200,9 @@ def _nvcc():
 def test_cuda_source_compiles_with_nvcc_for_sm90(name):
     kernel = redfuser.compile(name, target="cuda")
     kernel.prepare(**library_inputs(name, n=300))
-    ptx = nvcc_compile(kernel.cuda_source(), arch="sm_90")
-    assert b".target sm_90" in ptx
+    source = kernel.cuda_source()
+    assert b".target sm_90" in nvcc_compile(source, arch="sm_90")
+    assert nvcc_compile(source, arch="sm_90", fmt="cubin")[:4] == b"\x7fELF"  # ptxas: fits
 
 
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc is not on PATH: CUDA compile check skipped")
