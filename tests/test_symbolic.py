@@ -310,6 +310,30 @@ def test_relax_symbolic_length_with_a_cuda_target_in_scope_is_fused_for_the_gpu(
     assert b".target sm_90" in nvcc_compile(source, arch="sm_90")
 
 
+class _NormMatmul(torch.nn.Module):
+    """RMSNorm of a (1, seq, 32) input, then a product with 4096 output columns."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 4096))
+
+    def forward(self, x):
+        return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) @ self.w
+
+
+def test_relax_symbolic_cuda_cascade_with_a_state_too_wide_is_skipped_with_its_reason():
+    """A symbolic-length CUDA kernel keeps a row's state per thread (the tiled GEMM needs
+    static shapes): 4096 output columns do not fit a block's shared memory, so the pass
+    leaves the cascade in Relax and says why, instead of handing ptxas a kernel it refuses."""
+    seq = torch.export.Dim("seq", min=2, max=512)
+    mod = import_torch(_NormMatmul().eval(), (torch.randn(1, 8, 32),),
+                       dynamic_shapes={"x": {1: seq}})
+    with tvm.target.Target(cuda_target()):
+        _, report = fuse_module(mod)
+    assert report.found == 1 and report.fused == 0, str(report)
+    assert "48 KB of shared memory" in str(report) and "4096 words" in str(report)
+
+
 def test_an_empty_stream_gives_no_index_not_a_cast_of_minus_inf():
     """A call refuses argmax of N = 0; a Relax module with a symbolic N calls the kernel
     directly, which stored int64(-inf) (undefined in C, INT64_MIN here) and printed a

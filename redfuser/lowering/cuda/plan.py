@@ -64,8 +64,9 @@ def check_fits(rule: FusionRule, geo: Geometry) -> None:
         widths = {s.symbol.name: register_width(rule, geo, s) for s in rule.state}
         words = sum(widths.values())
         widest = max(widths, key=widths.get)
+        what = repr(rule.name) if rule.name else "the cascade"  # a lifted one has no name
         raise ValueError(
-            f"the state of '{rule.name}' is {words} words a thread: {MIN_THREADS} threads' "
+            f"the state of {what} is {words} words a thread: {MIN_THREADS} threads' "
             f"states exceed the {SHARED_BYTES >> 10} KB of shared memory a block merges them "
             f"in (widest: '{widest}', {widths[widest]} words); only a matrix product's wide "
             "state runs on CUDA (as a tiled GEMM, variant rolling or unfused)")
