@@ -32,7 +32,7 @@ from tvm.support import nvcc  # noqa: E402
 BufferLoadNode = type(tirx.decl_buffer((1,), "float32")[0])
 LEAVES = (tirx.Var, tirx.IntImm, tirx.FloatImm, BufferLoadNode)
 
-__all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "arg_buffer", "build", "cpu_has",
+__all__ = ["ALIGNMENT", "LEAVES", "IRBuilder", "T", "arg_buffer", "block_sync", "build", "cpu_has",
            "cpu_target", "cuda_device_name", "cuda_rounded", "cuda_source", "cuda_target",
            "default_threads", "device", "empty_aligned", "from_dlpack", "from_numpy",
            "kernel_arg", "llvm_rounded", "nvcc_compile", "structural_equal", "time_ms", "tirx"]
@@ -86,6 +86,12 @@ def llvm_rounded(x):
 
 
 _CUDA_ROUNDED = {tirx.Mul: "__fmul_rn", tirx.Add: "__fadd_rn", tirx.Sub: "__fsub_rn"}
+
+
+def block_sync():
+    """A CUDA block barrier (``__syncthreads``): what the threads stored before it, in
+    shared or global memory, is what every thread of the block reads after it."""
+    T.evaluate(T.tvm_storage_sync("shared"))
 
 
 def cuda_rounded(x):

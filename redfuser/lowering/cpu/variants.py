@@ -238,8 +238,7 @@ def _stage_row(em: Emitter, r, mine: dict, elementwise: dict):
     st = em.states(2 * em.plan.lanes)
     for lane in range(em.plan.lanes):
         st.init(lane)
-    _fold(em, st, r, tirx.const(0, I64), _extent(em.geo.n), em.plan.lanes,
-          em.plan.tile)
+    _fold(em, st, r, tirx.const(0, I64), _extent(em.geo.n), em.plan.lanes, em.plan.tile)
     em.finalize(st, r, mine)
     em.elementwise(r, elementwise)
 

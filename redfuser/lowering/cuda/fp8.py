@@ -20,7 +20,7 @@ quantize-then-GEMM (``tools.gpucheck.fp8_reference``: the quantized values bit f
 
 from __future__ import annotations
 
-from ...tvm_adapter import IRBuilder, T, arg_buffer, tirx
+from ...tvm_adapter import IRBuilder, T, arg_buffer, block_sync, tirx
 from ..signature import F32, I32
 
 FP8 = "float8_e4m3fn"
@@ -28,9 +28,6 @@ FP8_MAX = 448.0  # the largest finite e4m3 value: the quantization scale
 THREADS = 256  # per block, both launches
 ABS_MASK, INF_BITS = 0x7FFFFFFF, 0x7F800000
 
-
-def _sync():
-    T.evaluate(T.tvm_storage_sync("shared"))
 
 
 def _abs_bits(v):
@@ -69,13 +66,13 @@ def _quantize(x, q, amax, m: int, k: int):
                     with T.Then():
                         T.buffer_store(own, tirx.max(own[0], _abs_bits(x[r, kk])), [0])
             T.buffer_store(best, own[0], [t])
-            _sync()
+            block_sync()
             stride = THREADS // 2
             while stride:  # a halving tree in shared memory
                 with T.If(t < stride):
                     with T.Then():
                         T.buffer_store(best, tirx.max(best[t], best[t + stride]), [t])
-                _sync()
+                block_sync()
                 stride //= 2
             bits = T.bind(best[0])
             good = T.bind(tirx.And(bits > 0, bits < INF_BITS))  # else the row is NaN

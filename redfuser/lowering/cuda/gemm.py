@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from algebra.rule import FusionRule
 
-from ...tvm_adapter import T, cuda_rounded, tirx
+from ...tvm_adapter import T, block_sync, cuda_rounded, tirx
 from ..emitter import Emitter
 from ..geometry import Geometry
 from ..nests import copy_state, workspace
@@ -36,10 +36,6 @@ from ..products import Product, products, without
 from ..signature import F32
 from ..texpr import const
 from .plan import threads_for
-
-
-def _sync():
-    T.evaluate(T.tvm_storage_sync("shared"))
 
 
 def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: dict,
@@ -103,12 +99,12 @@ def _product(em: Emitter, p: Product, geo: Geometry, plan: Plan, w, sums):
                 with T.serial(0, -(-geo.n // kc)) as kb:
                     _load_a(em, p, geo, a, by * mc, kb * kc, t, threads)
                     _load_b(w, geo, b, kb * kc, bx * nc, t, threads)
-                    _sync()
+                    block_sync()
                     with T.serial(0, kc) as k:
                         _tile(mr, nr, lambda i, j: T.buffer_store(
                             acc, acc[i, j] + a[ty + i * (mc // mr), k] *
                             b[k, tx + j * across], [i, j]))
-                    _sync()
+                    block_sync()
 
                 def store(i, j):
                     row, col = by * mc + ty + i * (mc // mr), bx * nc + tx + j * across
@@ -187,5 +183,5 @@ def _results(em: Emitter, em_rest: Emitter, geo: Geometry, found, sums, work, re
                                      if st.widths[n] > 1})
                     look = em.base_lookup(r, None, slot, {**scalars, **wide})
                     T.buffer_store(buf, em.expr(em.rule.running[name], look), [r, slot])
-                _sync()
+                block_sync()
             em.elementwise(r, elementwise, t, threads)

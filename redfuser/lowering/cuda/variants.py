@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...tvm_adapter import T, cuda_rounded, tirx
+from ...tvm_adapter import T, block_sync, cuda_rounded, tirx
 from ..emitter import Emitter
 from ..geometry import InputGeom
 from ..invariants import rule_scores
@@ -21,10 +21,6 @@ from ..registers import States
 from ..signature import F32, result_dtype, result_width
 from . import gemm
 from .plan import row_in_shared
-
-
-def _sync():
-    T.evaluate(T.tvm_storage_sync("shared"))
 
 
 def _tree(em: Emitter, shared: States, t, r, threads: int) -> States:
@@ -41,11 +37,11 @@ def _tree(em: Emitter, shared: States, t, r, threads: int) -> States:
                 _move(shared, t, pair, 0)
                 _move(shared, t + stride, pair, 1)
                 em.merge(pair, 0, 1, r)
-        _sync()
+        block_sync()
         with T.If(t < stride):
             with T.Then():
                 _move(pair, 0, shared, t)
-        _sync()
+        block_sync()
     return pair
 
 
@@ -63,7 +59,7 @@ def _gather(em, t, r, threads, fold) -> States:
     fold(own)
     shared = States(em.rule, em.geo, threads, scope="shared")
     _move(own, 0, shared, t)
-    _sync()
+    block_sync()
     pair = _tree(em, shared, t, r, threads)
     with T.If(t == 0):
         with T.Then():
@@ -83,7 +79,7 @@ def _finish_row(em, t, r, threads: int, results, elementwise, fold):
     with T.If(t == 0):
         with T.Then():
             em.finalize(st, r, results)
-    _sync()
+    block_sync()
     em.elementwise(r, elementwise, t, threads)
 
 
@@ -155,7 +151,7 @@ def unfused(rule, geo, plan, bufs, results, elementwise):
             with T.If(t == 0):
                 with T.Then():
                     store_results(em, r, results)
-            _sync()
+            block_sync()
             em.rowvals = {**em.rowvals, **results}
             em.elementwise(r, elementwise, t, plan.threads)
 
@@ -174,7 +170,7 @@ def _row_copy(em: Emitter, names, t, r, threads: int):
                 T.buffer_store(buf, em.bufs[name][em.row_of(name, r), i, w], [0, i, w])
         shared[name] = buf
         inputs[name] = InputGeom((1,) * len(geo.rows), g.length, g.width)
-    _sync()
+    block_sync()
     return dataclasses.replace(geo, inputs=inputs), {**em.bufs, **shared}
 
 
@@ -204,7 +200,7 @@ def resident(rule, geo, plan, bufs, results, elementwise):
                 with T.If(t == 0):
                     with T.Then():
                         em.finalize(st, r, mine)
-                _sync()
+                block_sync()
                 rowvals.update(mine)
             em.elementwise(r, elementwise, t, plan.threads)
 
