@@ -291,6 +291,7 @@ def test_cuda_dynamic_kernel_is_one_build_and_compiles_for_sm90(name):
     src = kernel.cuda_source()
     assert "blockIdx.x" in src and "threadIdx.x" in src
     assert b".target sm_90" in nvcc_compile(src, arch="sm_90")
+    assert nvcc_compile(src, arch="sm_90", fmt="cubin")[:4] == b"\x7fELF"  # ptxas: it fits
 
 
 def test_relax_symbolic_length_with_a_cuda_target_in_scope_is_fused_for_the_gpu():
