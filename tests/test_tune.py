@@ -34,10 +34,11 @@ from redfuser.tune import (
     spec_key,
     tune,
 )
+from redfuser.tune.db import FORMAT, VERSION
 from redfuser.tune.machine import nominal_cpu
 from redfuser.tune.search import MARGIN
 from redfuser.tune.space import same_plan
-from redfuser.tune.store import DatabaseError
+from redfuser.tune.store import DatabaseError, update
 from redfuser.tune.work import count, element_work
 
 ATTENTION = {"q": (2, 8, 16), "k": (2, 1, 64, 16), "v": (2, 1, 64, 16)}
@@ -288,7 +289,8 @@ def test_compiles_read_the_database_unless_told_not_to(cache):
         k = redfuser.compile(rule, **options)
         k(x=x)
         assert k.plan.variant == "rolling"
-    TuningDB().put(key, {"plan": {"variant": "rolling", "warp": 3}, "measured_ms": 1.0})
+    stale = {"plan": {"variant": "rolling", "warp": 3}, "measured_ms": 1.0}  # put refuses it
+    update(TuningDB().path, FORMAT, VERSION, lambda held: {**held, key: stale})  # by hand
     with pytest.warns(RuntimeWarning, match="ignoring a tuning record"):
         k = redfuser.compile(rule)
         k(x=x)

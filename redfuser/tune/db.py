@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .space import plan_from_params
 from .store import (
     DatabaseError,
     load,
@@ -75,8 +76,11 @@ class MergeSummary:
 
 
 def record_problem(record: object) -> str | None:
-    """Why ``record`` is not a tuning record (None: it is one): it needs a ``plan`` table
-    and a finite, non-negative ``measured_ms``.
+    """Why ``record`` is not a tuning record (None: it is one): it needs a finite,
+    non-negative ``measured_ms`` and a ``plan`` table that a compile can read
+    (``space.plan_from_params``, the very check a compile makes, so every path that lets
+    a record in (``put``, ``merge``, ``redfuser db import`` and ``merge``) keeps out what
+    a compile would throw away).
 
     Examples
     --------
@@ -84,6 +88,8 @@ def record_problem(record: object) -> str | None:
     True
     >>> record_problem({"plan": {"variant": "rolling"}, "measured_ms": float("nan")})
     'measured_ms must be a finite non-negative number, not nan'
+    >>> record_problem({"plan": {"variant": "rolling", "lanes": -5}, "measured_ms": 0.5})
+    'not a plan: plan parameter lanes must be a positive integer, not -5'
     """
     if not isinstance(record, dict):
         return f"a record must be a JSON object, not {type(record).__name__}"
@@ -92,6 +98,10 @@ def record_problem(record: object) -> str | None:
     ms = record.get("measured_ms")
     if not _is_time(ms):
         return f"measured_ms must be a finite non-negative number, not {ms!r}"
+    try:
+        plan_from_params(record["plan"])
+    except ValueError as e:
+        return f"not a plan: {e}"
     return None
 
 
@@ -150,11 +160,13 @@ def merge_entries(held: dict, incoming: dict) -> tuple[dict, MergeSummary]:
 
     Examples
     --------
-    >>> old = {"plan": {}, "measured_ms": 0.5, "stored": "2026-01-01T00:00:00+00:00"}
+    >>> old = {"plan": {"variant": "rolling"}, "measured_ms": 0.5,
+    ...        "stored": "2026-01-01T00:00:00+00:00"}
     >>> new = {**old, "stored": "2026-02-01T00:00:00+00:00"}
-    >>> merged, summary = merge_entries({"a": old}, {"a": new, "b": old, "c": 3})
+    >>> bogus = {**new, "plan": {"variant": "bogus"}}
+    >>> merged, summary = merge_entries({"a": old}, {"a": new, "b": old, "c": 3, "d": bogus})
     >>> merged["a"] is new, sorted(merged), summary.skipped
-    (True, ['a', 'b'], 1)
+    (True, ['a', 'b'], 2)
     """
     merged, summary = dict(held), MergeSummary()
     for key, record in incoming.items():
