@@ -7,8 +7,13 @@ afterwards.  The kernel's arguments take the caller's shapes (``signature.call_s
 a call hands its arrays to TVM as they are (a reshape, no copy, only where an input has
 fewer row axes than the kernel) and returns the buffers the kernel wrote: numpy in gives
 numpy out, a DLPack tensor (torch) in gives the same framework's tensors out, zero-copy.
-``out=`` supplies preallocated outputs; they are checked once per signature, and a wrong
-shape, dtype, alignment or layout is a clear error naming the output.
+``out=`` supplies preallocated outputs; a wrong shape, dtype, alignment or layout is a
+clear error naming the output, and so are two outputs that share memory.  An output that
+overlaps an input is written to a temporary and copied into the caller's array after the
+kernel ran (the kernels read and write through restrict pointers, in an order of their
+own), except where exactly the same memory is known to be safe (``in_place``): a rule's
+only per-element output over a stream of its shape, whose element is read before it is
+written.  A call with no rows (a row axis of 0) returns empty outputs without a kernel.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from math import prod
 from numbers import Number
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from algebra.cascade import LENGTH
 from algebra.layout import VIEW_BITS, Layout, vector_results
 from algebra.rule import FusionRule
+from algebra.stages import StagedLowering
 
 from .lowering import FUNC_NAME, Geometry, signature
 from .lowering.signature import call_shapes
@@ -144,13 +151,15 @@ class CallPlan:
     to_caller: object  # numpy array -> the caller's tensor kind, zero-copy (None: numpy)
     address: object  # the caller's tensor -> its data address (None: not known, DLPack's check)
     fresh: tuple[Fresh, ...]  # ``outputs`` as allocated when the caller gives no ``out``
+    in_place: frozenset[tuple[str, str]]  # (output, input) that may be the same memory
+    arrays: tuple[str, ...]  # the inputs that are arrays (not numbers): what out= may overlap
 
 
-def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
+def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built | None,
               key: tuple, inputs: dict, keep: frozenset | None = None) -> CallPlan:
     """The ``CallPlan`` of a signature whose layout was checked and whose kernel is built
     (``inputs``: the first call's, whose kinds the key fixes; ``keep``: the per-row results
-    the kernel returns, as ``signature``)."""
+    the kernel returns, as ``signature``; ``built`` None: no rows, nothing to launch)."""
     sig = signature(rule, geo, keep)
     shapes = call_shapes(rule, geo, keep)  # the kernel's view of every argument
     vector = vector_results(rule.cascade, layout.vector)
@@ -162,11 +171,31 @@ def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built,
             raise RuntimeError(f"output '{o.name}': kernel shape {o.kernel_shape} does not "
                                f"hold user shape {o.user_shape}")
     direct = all(k[-1] and (k[2] is None or _is_f32(k[2])) for _, k in key)
-    return CallPlan(geo, built, built.executable[FUNC_NAME],
+    return CallPlan(geo, built, _no_rows if built is None else built.executable[FUNC_NAME],
                     _input_views(sig, shapes, key),
                     outs, direct, caller_kind(inputs),
                     caller_address(inputs) if all(map(prod, shapes)) else None,  # empty: copied
-                    tuple(map(_fresh, outs)))
+                    tuple(map(_fresh, outs)), _in_place(rule),
+                    tuple(name for name, k in key if k[0] not in ("number", "value")))
+
+
+def _no_rows(*args) -> None:
+    """The "kernel" of a call with no rows: its outputs are empty, there is nothing to
+    compute (TVM refuses a zero-row buffer, and numpy returns empty results)."""
+
+
+def _in_place(rule: FusionRule) -> frozenset[tuple[str, str]]:
+    """The (output, input) pairs that may be exactly the same memory: a one-pass rule's only
+    per-element output over a stream of its shape.  The pass that writes element i reads
+    the streams' element i first and no pass reads it again (tests/test_call_reliability.py
+    checks every variant against float64).  Nothing else: a staged rule's later stage reads
+    its inputs again after an earlier stage wrote its results, a second per-element output
+    would read the element the first one overwrote, and a per-row result is written while
+    the row's parameters may still be read."""
+    elementwise = list(rule.cascade.elementwise)
+    if isinstance(rule, StagedLowering) or len(elementwise) != 1:
+        return frozenset()
+    return frozenset((elementwise[0], s.name) for s in rule.cascade.streams)
 
 
 def _input_views(sig, shapes: list, key: tuple) -> tuple:
@@ -221,13 +250,11 @@ def input_arrays(plan: CallPlan, inputs: dict, layout: Layout | None) -> list:
     return out
 
 
-def output_arrays(plan: CallPlan, out: dict | None) -> tuple[dict, list]:
-    """(user-facing outputs, kernel arguments): the caller's ``out`` arrays where given
-    (checked), else fresh arrays.  A fresh ``np.empty`` is ALIGNMENT-aligned without a
-    check: numpy takes its memory from malloc, aligned for any C type (16 bytes on
-    x86-64 and AArch64; tests/test_call.py holds it to that)."""
-    if out:
-        return _given_outputs(plan, out)
+def output_arrays(plan: CallPlan) -> tuple[dict, list]:
+    """(user-facing outputs, kernel arguments) of a call without ``out``: fresh arrays.  A
+    fresh ``np.empty`` is ALIGNMENT-aligned without a check: numpy takes its memory from
+    malloc, aligned for any C type (16 bytes on x86-64 and AArch64; tests/test_call.py
+    holds it to that)."""
     users, args = {}, []
     for o in plan.fresh:
         buf = np.empty(o.shape, o.dtype)
@@ -236,11 +263,55 @@ def output_arrays(plan: CallPlan, out: dict | None) -> tuple[dict, list]:
     return users, args
 
 
-def _given_outputs(plan: CallPlan, out: dict) -> tuple[dict, list]:
-    unknown = sorted(set(out) - {o.name for o in plan.outputs})
+def given_outputs(plan: CallPlan, out, inputs: dict | None = None) -> tuple[dict, list, list]:
+    """(user-facing outputs, kernel arguments, copies) of a call with ``out``: the caller's
+    arrays where given (checked, and refused where two of them share memory), fresh arrays
+    for the other outputs.  With the call's ``inputs`` (a host kernel, which reads the
+    caller's memory), an output that overlaps an input (other than ``plan.in_place``'s
+    exact aliases) is written to a fresh temporary instead: ``copies`` lists the
+    (caller's array, temporary) pairs to copy after the kernel ran."""
+    names = [o.name for o in plan.outputs]
+    if not isinstance(out, dict):
+        raise TypeError(f"out must be a dict mapping output name -> array (this kernel's "
+                        f"outputs are {names}), not a {type(out).__name__}")
+    unknown = sorted(set(out) - set(names))
     if unknown:
         raise ValueError(f"out names {unknown}, which this kernel does not compute; its "
-                         f"outputs are {[o.name for o in plan.outputs]}")
+                         f"outputs are {names}")
+    users, args = _given_arrays(plan, out)
+    given = [(o.name, out[o.name]) for o in plan.outputs if out.get(o.name) is not None]
+    for i, (a, va) in enumerate(given):  # a handful of outputs: every pair
+        for b, vb in given[i + 1:]:
+            if overlaps(va, vb):
+                raise ValueError(f"out['{a}'] and out['{b}'] share memory: the kernel "
+                                 "writes both, give each output a buffer of its own")
+    return users, args, [] if inputs is None else _overlap_copies(plan, out, inputs, args)
+
+
+def _overlap_copies(plan: CallPlan, out: dict, inputs: dict, args: list) -> list:
+    """Replace in ``args`` each given output that overlaps an input by a temporary; the
+    (caller's array in the kernel's shape, temporary) pairs to copy afterwards."""
+    copies = []
+    for index, o in enumerate(plan.outputs):
+        given = out.get(o.name)
+        if given is None:
+            continue
+        for name in plan.arrays:
+            value = inputs[name]
+            if not overlaps(given, value):
+                continue
+            if (o.name, name) in plan.in_place and same_memory(given, value):
+                continue  # read before written, element by element (``_in_place``)
+            temp = np.empty(o.kernel_shape, o.dtype)
+            args[index] = temp
+            copies.append((host_array(given).reshape(o.kernel_shape), temp))
+            break
+    return copies
+
+
+def _given_arrays(plan: CallPlan, out: dict) -> tuple[dict, list]:
+    """(user-facing outputs, kernel arguments): ``out``'s arrays checked, fresh ones for the
+    outputs it does not name."""
     users, args = {}, []
     for o in plan.outputs:
         given = out.get(o.name)
@@ -285,6 +356,54 @@ def _check_out(o: Output, given) -> None:
                          f"{ALIGNMENT}-byte aligned (numpy's and torch's own allocations are)")
 
 
+def host_array(v) -> np.ndarray | None:
+    """``v`` as a numpy array over the same memory (a DLPack tensor's, zero-copy), or None
+    where it has none on the host (a number, a device tensor)."""
+    if isinstance(v, np.ndarray):
+        return v
+    try:
+        return np.from_dlpack(v)
+    except (AttributeError, BufferError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def byte_range(v) -> tuple[int, int] | None:
+    """The bytes [lo, hi) that array or tensor ``v`` spans; None when it is empty or has no
+    host memory.  A torch tensor's from its address and strides (0.5 us; its DLPack view
+    costs 2.4 us), any other's through ``host_array``."""
+    if hasattr(v, "data_ptr") and hasattr(v, "is_cpu"):
+        if not v.is_cpu or v.numel() == 0:
+            return None
+        start, size = v.data_ptr(), v.element_size()
+        if v.is_contiguous():
+            return start, start + v.numel() * size
+        span = sum([(n - 1) * s for n, s in zip(v.shape, v.stride(), strict=True)])
+        return start, start + (span + 1) * size  # torch's strides are >= 0
+    array = host_array(v)
+    if array is None or array.size == 0:
+        return None
+    return byte_bounds(array)
+
+
+def overlaps(a, b) -> bool:
+    """May arrays/tensors ``a`` and ``b`` share memory?  By the byte ranges they span (two
+    numpy arrays: ``np.may_share_memory``, 0.3 us): exact for the C-contiguous outputs, and
+    for a strided input at worst a needless temporary."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.may_share_memory(a, b)
+    ra, rb = byte_range(a), byte_range(b)
+    return ra is not None and rb is not None and ra[0] < rb[1] and rb[0] < ra[1]
+
+
+def same_memory(a, b) -> bool:
+    """Are ``a`` and ``b`` (float32, as the call checked) views of exactly the same elements:
+    the same bytes, the same shape, both C-contiguous?"""
+    ha, hb = host_array(a), host_array(b)
+    return (ha is not None and hb is not None and ha.shape == hb.shape
+            and ha.flags.c_contiguous and hb.flags.c_contiguous
+            and byte_bounds(ha) == byte_bounds(hb))
+
+
 def caller_kind(inputs: dict):
     """How a fresh numpy output becomes the caller's kind of tensor, zero-copy: the module of
     the first non-numpy array input (torch), its ``from_numpy`` where it has one (a C call,
@@ -313,4 +432,4 @@ def in_kind(users: dict, out: dict | None, to_caller) -> dict:
         return users
     if not out:
         return {k: to_caller(v) for k, v in users.items()}
-    return {k: v if k in out else to_caller(v) for k, v in users.items()}
+    return {k: v if out.get(k) is not None else to_caller(v) for k, v in users.items()}

@@ -35,6 +35,7 @@ from algebra.stages import StagedLowering
 from .call import (
     CallPlan,
     call_plan,
+    given_outputs,
     in_kind,
     input_arrays,
     input_key,
@@ -105,11 +106,13 @@ def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  #
     return Kernel(rule.lowered() if isinstance(rule, StagedRule) else rule, target, **options)
 
 
-def _check_dynamic(rule: FusionRule, backend_, splits, tune, plan) -> None:
-    """Refuse what a kernel for every shape cannot honour, naming the option."""
+def _check_dynamic(rule: FusionRule, backend_, variant, splits, tune, plan) -> None:
+    """Refuse what a kernel for every shape cannot honour, naming the option (at compile
+    time: a refusal at the first call would come after the caller kept the kernel)."""
     if backend_.dynamic is None:
         raise ValueError(f"dynamic=True: target '{backend_.name}' builds kernels for static "
                          "shapes only")
+    check_variant(variant, dynamic=True)
     if splits is not None or (plan is not None and plan.variant == "split"):
         raise ValueError("splits cut each row by its length: they need dynamic=False")
     if tune not in (None, False):
@@ -165,7 +168,7 @@ class Kernel:
         if not isinstance(dynamic, bool):
             raise TypeError(f"dynamic must be True or False, not {dynamic!r}")
         if dynamic:
-            _check_dynamic(rule, self.backend, splits, tune, plan)
+            _check_dynamic(rule, self.backend, variant, splits, tune, plan)
             plan = plan and dataclasses.replace(plan, dynamic=True)
         self.dynamic, self.builds = dynamic, 0  # builds: compilations so far
         self.rule, self.target, self.tune, self.fixed_plan = rule, target, tune, plan
@@ -186,7 +189,7 @@ class Kernel:
                 raise TypeError(f"input '{name}' has dtype {dtype}; this kernel computes in "
                                 "float32: pass float32 arrays")
         layout = resolve(self.rule.cascade, inputs, dtype=np.float32)
-        _check_not_empty(layout, inputs)
+        _check_feature_axis(layout, inputs)
         return layout
 
     def geometry(self, **inputs) -> Geometry:
@@ -195,6 +198,9 @@ class Kernel:
 
     # Step 2. Compile for this geometry (cached) ---------------------------------------
     def _compiled(self, geo: Geometry, plan: Plan | None = None) -> Built:
+        if 0 in geo.rows:  # TVM refuses zero-sized buffers (with a message about strides)
+            raise ValueError(f"no rows (row axes {geo.rows}): a call returns empty outputs "
+                             "without a kernel; there is nothing to compile or time")
         plan = plan or self.fixed_plan
         if plan is not None:
             return self._build(geo, plan)
@@ -262,26 +268,46 @@ class Kernel:
         if not self.backend.host_memory:
             return self._on_device(plan, inputs, out)
         layout = None if plan.direct else self._layout(inputs)
-        users, tensors = output_arrays(plan, out)
+        if out is not None:
+            return self._into(plan, inputs, layout, out)
+        users, tensors = output_arrays(plan)
         plan.func(*input_arrays(plan, inputs, layout), *tensors)
+        return in_kind(users, None, plan.to_caller)
+
+    def _into(self, plan: CallPlan, inputs: dict, layout, out) -> dict:
+        """A host call that writes the caller's ``out`` arrays; one that overlaps an input
+        is written to a temporary and copied over afterwards (``call.given_outputs``)."""
+        users, tensors, copies = given_outputs(plan, out, inputs)
+        plan.func(*input_arrays(plan, inputs, layout), *tensors)
+        for target, temp in copies:
+            np.copyto(target, temp)
         return in_kind(users, out, plan.to_caller)
 
     def _new_call(self, key: tuple, inputs: dict) -> CallPlan:
+        """The call plan of a new signature; no kernel is built for one with no rows."""
         layout = self._layout(inputs)
         geo = geometry(self.rule, layout)
-        plan = call_plan(self.rule, layout, geo, self._compiled(geo), key, inputs, self.keep)
+        built = None if 0 in layout.rows else self._compiled(geo)
+        plan = call_plan(self.rule, layout, geo, built, key, inputs, self.keep)
         self._calls[key] = plan
         _evict(self._calls)
         return plan
 
     def _on_device(self, plan: CallPlan, inputs: dict, out: dict | None) -> dict:
-        """A device kernel: inputs copied over, results copied back into host arrays."""
+        """A device kernel: inputs copied over, results copied back into host arrays (an
+        output over an input's memory is then harmless; two outputs that share memory are
+        still refused)."""
+        if out is None:
+            users, _ = output_arrays(plan)
+        else:
+            users, _, _ = given_outputs(plan, out)
+        if plan.built is None:  # no rows: nothing to run
+            return in_kind(users, out, plan.to_caller)
         dev = plan.built.device()
         if not dev.exist:
             raise RuntimeError(f"no {self.target} device here: use kernel.prepare(...) and "
                                "kernel.primfunc / kernel.cuda_source() to inspect the code")
         layout = self._layout(inputs)
-        users, _ = output_arrays(plan, out)
         tensors = [from_numpy(np.asarray(users[o.name]).reshape(o.kernel_shape), dev)
                    for o in plan.outputs]
         plan.func(*layout_tensors(self.rule, layout, plan.geo, dev), *tensors)
@@ -343,17 +369,15 @@ class Kernel:
         return self
 
 
-def _check_not_empty(layout, inputs: dict) -> None:
-    """No rows, or a feature axis D of 0: TVM refuses zero-sized buffers (with a message
-    about strides), so the input that has the empty axis is named here instead."""
-    empty = [] if layout.d != 0 else ["a feature axis D of 0"]
-    if 0 in layout.rows:
-        empty.append(f"no rows (row axes {layout.rows})")
-    if empty:
+def _check_feature_axis(layout, inputs: dict) -> None:
+    """A feature axis D of 0: TVM refuses zero-sized buffers (with a message about strides),
+    so the input that has the empty axis is named here instead.  (No rows is no error: the
+    call returns empty outputs without a kernel, as numpy does.)"""
+    if layout.d == 0:
         culprit = next(name for name, a in layout.arrays.items()
-                       if 0 in a.shape[:-1] or (a.shape[-1] == 0 and name in layout.vector))
-        raise ValueError(f"input '{culprit}' has shape {np.shape(inputs[culprit])}: "
-                         f"{' and '.join(empty)}; a kernel needs at least one row and D >= 1")
+                       if a.shape[-1] == 0 and name in layout.vector)
+        raise ValueError(f"input '{culprit}' has shape {np.shape(inputs[culprit])}: a "
+                         "feature axis D of 0; a kernel needs D >= 1")
 
 
 def _evict(cache: OrderedDict) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,8 +82,9 @@ def integer_product_range(spec: str = QUANT_GEMM_SPEC) -> tuple[int, int]:
 
 
 class QuantGemm:
-    """The compiled kernel per shape, with its scratch buffers (allocated once per shape);
-    ``pack`` packs weights once for calls that reuse them.
+    """The compiled kernel per shape, with its scratch buffers (allocated once per shape and
+    calling thread: the kernel writes them, and runs without the GIL, so two threads calling
+    at once must not share them); ``pack`` packs weights once for calls that reuse them.
 
     Examples
     --------
@@ -112,7 +114,8 @@ class QuantGemm:
             raise RuntimeError(f"target {self.target} has AMX, and this process may not use "
                                "AMX tiles (Linux refused ARCH_REQ_XCOMP_PERM)")
         self.range = integer_product_range()  # the proof the int32 sums rest on
-        self._built: dict[tuple, tuple] = {}  # (m, k, n, packed) -> (executable, scratch)
+        self._built: dict[tuple, object] = {}  # (m, k, n, packed) -> executable
+        self._scratch = threading.local()  # .buffers: (m, k, n, packed) -> scratch arrays
         self._packers: dict[tuple, object] = {}  # (k, n) -> pack_weights executable
         self._last = None
 
@@ -148,13 +151,23 @@ class QuantGemm:
         (m, k), n, packed = x.shape, y.shape[1], isinstance(wq, PackedWeights)
         key = (m, k, n, packed)
         if key not in self._built:
-            ex = build(quant_gemm_func(self.isa, m, k, n, FUNC_NAME, packed), self.target)
-            scratch = [empty_aligned(shape, dtype) for shape, dtype in
-                       scratch_shapes(self.isa, m, k, n, packed).values()]
-            self._built[key] = (ex, scratch)
-        self._last = ex, scratch = self._built[key]
+            self._built[key] = build(quant_gemm_func(self.isa, m, k, n, FUNC_NAME, packed),
+                                     self.target)
+        self._last = ex = self._built[key]
         weights = wq.arrays if packed else (wq,)
-        return ex, [from_numpy(a) for a in (x, *weights, ws, y, *scratch)]
+        return ex, [from_numpy(a) for a in (x, *weights, ws, y, *self._scratch_for(key))]
+
+    def _scratch_for(self, key: tuple) -> list[np.ndarray]:
+        """This thread's scratch buffers for shape ``key``, allocated on its first call:
+        once per shape, not per call (fresh pages every call cost more than the packing;
+        ``scratch_shapes``), and per thread (a lock would serialise the callers)."""
+        buffers = getattr(self._scratch, "buffers", None)
+        if buffers is None:
+            buffers = self._scratch.buffers = {}
+        if key not in buffers:
+            buffers[key] = [empty_aligned(shape, dtype) for shape, dtype in
+                            scratch_shapes(self.isa, *key).values()]
+        return buffers[key]
 
     def time(self, x, wq, ws, repeat: int = 5) -> float:
         """Median milliseconds of one call on these inputs (after a warm-up call)."""
@@ -167,7 +180,7 @@ class QuantGemm:
         """The CPU code of the most recently used shape."""
         if self._last is None:
             raise RuntimeError("call the kernel once first")
-        return host_source(self._last[0], "asm")
+        return host_source(self._last, "asm")
 
 
 @dataclass(frozen=True)

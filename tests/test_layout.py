@@ -147,14 +147,14 @@ def test_source_before_a_call_names_what_exists():
     assert "prim_func" in k.prepare(x=X).source()
 
 
-def test_kernel_names_an_empty_row_or_feature_axis():
+def test_kernel_names_an_empty_feature_axis_and_returns_empty_rows():
     """TVM refuses zero-sized buffers with a message about strides: the kernel names the
-    input instead (evaluate and the reference give numpy's empty results)."""
+    input with D = 0 instead (evaluate and the reference give numpy's empty results); no
+    rows gives empty outputs, as numpy (tests/test_call_reliability.py)."""
     q, kv = np.ones((2, 3, 0), np.float32), np.ones((2, 1, 5, 0), np.float32)
     with pytest.raises(ValueError, match=r"input 'k' has shape \(2, 1, 5, 0\): a feature axis "
                                          "D of 0"):
         redfuser.compile("attention")(q=q, k=kv, v=kv, scale=1.0)
     assert redfuser.derive("attention").evaluate({"q": q, "k": kv, "v": kv, "scale": 1.0})[
         "o"].shape == (2, 3, 0)
-    with pytest.raises(ValueError, match=r"input 'x' has shape \(3, 0, 8\): no rows"):
-        redfuser.compile("softmax")(x=np.ones((3, 0, 8), np.float32))
+    assert redfuser.compile("softmax")(x=np.ones((3, 0, 8), np.float32))["y"].shape == (3, 0, 8)
