@@ -7,7 +7,14 @@ Kernel's call path, which hands contiguous float32 tensors to TVM through DLPack
 copy and writes the outputs straight into tensors torch allocated.  The fake
 implementation (``register_fake``) computes every output's shape and dtype from the rule's
 layout, the same rule the call path uses, without running anything, so the operator traces
-under ``torch.compile(fullgraph=True)`` and ``torch.export``, with static or symbolic sizes.
+under ``torch.compile(fullgraph=True)`` and ``torch.export``, with static or symbolic sizes:
+an output's sizes are the inputs' own, and sizes the layout needs equal (q's, k's and v's
+D) become torch guards or export constraints.
+
+Tensors that require grad are read as they are (detached, no copy).  No op has a backward
+yet (``backward_rule``): its outputs carry a graph whose backward raises
+``NotImplementedError`` naming the op, so a training step fails clearly instead of
+silently leaving the op's inputs without gradients.
 
 Import this module explicitly (``import redfuser.torch``): it loads torch, which
 ``import redfuser`` does not.
@@ -15,24 +22,24 @@ Import this module explicitly (``import redfuser.torch``): it loads torch, which
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
+from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
 
 from algebra import FusionRule, derive
-from algebra.layout import resolve, vector_results
+from algebra.layout import Layout, resolve, vector_results
 
 from .call import _user_shape
 from .kernel import Kernel
 from .lowering import geometry, signature
 
 NAMESPACE = "redfuser"
-# Stand-in sizes for symbolic dimensions while the fake implementation resolves the layout
-# (zero-strided numpy views: no memory).  Far above any static size a model uses, so an
-# output size equal to a marker can only have come from that symbolic dimension.
-MARKER_BASE = 1 << 20
 TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
 _REGISTERED: dict[str, CascadeOp] = {}
 
@@ -124,7 +131,11 @@ def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], schema: str):
     outputs = kernel.rule.outputs
 
     def real(*args):
-        values = dict(zip(inputs, args, strict=True))
+        # Detached views, no copy: DLPack refuses to export a tensor that requires grad,
+        # and the kernel only reads it; the autograd layer (``_register_autograd``), not
+        # this function, links the outputs to the inputs.
+        values = {n: v.detach() if isinstance(v, torch.Tensor) else v
+                  for n, v in zip(inputs, args, strict=True)}
         out = {n: torch.empty(shape, dtype=dtype)
                for n, (shape, dtype) in output_specs(kernel.rule, values).items()}
         kernel(**values, out=out)  # TVM writes these tensors in place
@@ -139,15 +150,69 @@ def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], schema: str):
     torch_op = torch.library.custom_op(f"{NAMESPACE}::{name}", real, mutates_args=(),
                                        schema=schema)
     torch_op.register_fake(fake)
+    _register_autograd(torch_op, name, kernel.rule)
     return torch_op
 
 
+# Autograd ---------------------------------------------------------------------------------
+def backward_rule(rule: FusionRule) -> Callable | None:
+    """The backward of the op computing ``rule``, or None where it has none.
+
+    A backward is ``backward(ctx, *grads)`` (one gradient per output) returning one
+    gradient per op input (None for a float), reading ``ctx.saved_tensors``: the tensor
+    inputs in argument order, then the outputs (``_save_for_backward``).  No rule has one
+    yet: this is the one place where derived backward rules plug in; an op without one
+    gets a backward that raises (``_no_backward``).
+    """
+    return None
+
+
+def _register_autograd(torch_op, name: str, rule: FusionRule) -> None:
+    backward = backward_rule(rule) or partial(_no_backward, name)
+    torch_op.register_autograd(backward, setup_context=_save_for_backward)
+
+
+def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.tensor_inputs = tuple(isinstance(v, torch.Tensor) for v in inputs)
+    ctx.save_for_backward(*(v for v in inputs if isinstance(v, torch.Tensor)), *output)
+
+
+def _no_backward(name: str, ctx, *grads) -> tuple:
+    """The backward of an op without a backward rule: gradients that raise when computed.
+
+    Raising here directly would fail ``torch.compile`` on any input that requires grad
+    (AOTAutograd traces the backward with the forward, before anything runs); the error
+    is instead the real implementation of ``torch.ops.redfuser._no_backward``, which runs
+    only when ``backward()`` does.  Outputs without a graph would let a training step
+    silently skip this op's inputs, hence a graph at all.
+    """
+    saved = ctx.saved_tensors[:sum(ctx.tensor_inputs)]
+    grads_in = iter(_refuse_backward(name, list(saved)))
+    return tuple(next(grads_in) if tensor else None for tensor in ctx.tensor_inputs)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::_no_backward", mutates_args=())
+def _refuse_backward(op: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Raise that ``torch.ops.redfuser.<op>`` has no backward (its fake gives the shapes)."""
+    raise NotImplementedError(
+        f"redfuser.{op}: torch.ops.{NAMESPACE}.{op} has no backward yet (redfuser ops are "
+        "not differentiable): no gradient can flow through it to its inputs; pass it "
+        "detached inputs (x.detach()) or call it under torch.no_grad() where none has to")
+
+
+@_refuse_backward.register_fake
+def _(op: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in inputs]
+
+
+# Output shapes ----------------------------------------------------------------------------
 def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch.dtype]]:
     """Every output's (shape, dtype) for tensors (real, fake or symbolic-sized) and numbers.
 
-    Symbolic sizes are replaced by distinct marker sizes, the layout is resolved on
-    zero-strided stand-ins exactly as a call resolves it, and output sizes equal to a
-    marker are mapped back to their symbol.
+    The layout is resolved and checked as a call resolves it, on zero-strided stand-ins
+    (no memory) of the inputs' sizes, a symbolic size at its value in the example torch
+    traces; with symbolic sizes, the outputs' sizes are then taken from the inputs' own
+    (``_symbolic``), so that they follow the inputs to other sizes.
 
     Examples
     --------
@@ -156,23 +221,87 @@ def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch
     >>> [(n, shape, str(dtype)) for n, (shape, dtype) in specs.items()][2:]
     [('p', (3, 8), 'torch.float32'), ('e', (3, 8), 'torch.int64')]
     """
-    markers: dict[object, int] = {}
-    symbols: dict[int, object] = {}
-
-    def size(s):
-        if isinstance(s, torch.SymInt):
-            key = s.node.expr
-            if key not in markers:
-                markers[key] = MARKER_BASE + len(markers)
-                symbols[markers[key]] = s
-            return markers[key]
-        return int(s)
-
-    stand_ins = {k: np.broadcast_to(np.float32(0), tuple(size(s) for s in v.shape))
+    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else () for k, v in inputs.items()}
+    stand_ins = {k: np.broadcast_to(np.float32(0), tuple(_hint(rule, k, s) for s in shapes[k]))
                  if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     layout = resolve(rule.cascade, stand_ins, dtype=np.float32)
     sig = signature(rule, geometry(rule, layout))
+    if any(isinstance(s, torch.SymInt) for shape in shapes.values() for s in shape):
+        layout = _symbolic(rule.cascade, layout, shapes)
     vector = vector_results(rule.cascade, layout.vector)  # as call.call_plan reads it
-    return {a.name: (tuple(symbols.get(s, s) for s in _user_shape(rule, layout, a, vector)),
-                     TORCH_DTYPES[a.dtype]) for a in sig.outputs}
+    return {a.name: (_user_shape(rule, layout, a, vector), TORCH_DTYPES[a.dtype])
+            for a in sig.outputs}
 
+
+def _hint(rule: FusionRule, name: str, size) -> int:
+    """A size's value in the example being traced (a static size is its own)."""
+    if not has_guarding_hint(size):
+        raise NotImplementedError(
+            f"redfuser.{rule.name}: input '{name}' has a data-dependent size ({size}); the "
+            "op's output shapes need the sizes torch knows when it traces")
+    return guarding_hint_or_throw(size)
+
+
+def _symbolic(cascade, layout: Layout, shapes: dict[str, tuple]) -> Layout:
+    """``layout`` with its rows, N and D the inputs' own sizes (SymInts where symbolic).
+
+    The sizes the layout needs equal (every stream's N, every vector input's D) are
+    declared equal to torch with ``torch._check``, which makes each a guard (or, under
+    ``torch.export``, a constraint on the declared dims) rather than a check of values;
+    rows broadcast as torch broadcasts them.
+    """
+    streams = [s.name for s in cascade.streams]
+    tails = {k: _tail(k, layout.vector, streams) for k in shapes}
+    rows = torch.broadcast_shapes(*(s[:len(s) - tails[k]] for k, s in shapes.items()))
+    n = _same("N", {s: shapes[s][len(shapes[s]) - tails[s]] for s in streams}, layout.n)
+    d = _same("D", {k: shapes[k][-1] for k in sorted(layout.vector)}, layout.d)
+    _keep_readings(cascade, layout, shapes, n)
+    return dataclasses.replace(layout, rows=tuple(rows), n=n, d=d)
+
+
+def _tail(name: str, vector, streams: list[str]) -> int:
+    """How many trailing axes of an input are not row axes (as ``algebra.layout.resolve``
+    counts them): N[, D] of a stream, D of a vector parameter, none of a scalar one."""
+    if name in streams:
+        return 2 if name in vector else 1
+    return 1 if name in vector else 0
+
+
+def _same(axis: str, sizes: dict[str, object], default):
+    """The one size ``sizes`` (input -> its size of ``axis``) all have, declared to torch."""
+    if not sizes:
+        return default
+    (first, size), *rest = sizes.items()
+    for name, other in rest:
+        torch._check(other == size, lambda name=name, other=other: (
+            f"input '{name}' has {axis} = {other}, input '{first}' {axis} = {size}: "
+            "they must be equal"))
+    return size
+
+
+def _keep_readings(cascade, layout: Layout, shapes: dict[str, tuple], n) -> None:
+    """Guard the reading of every stream spelled ``x[i]`` where sizes could change it.
+
+    ``algebra.layout`` reads such a stream as (*rows, N, D) or (*rows, N) by comparing its
+    trailing sizes with N and D (``_reads_as_vector``); where both readings fit, the ranks
+    decide.  The reading at the example's sizes (``layout.vector``) must hold at every size
+    the traced graph is reused for, so the comparison that made it becomes a guard; where
+    the ranks decide, none does (an export with N and D both dynamic must not be told that
+    they differ).
+    """
+    streams = [s.name for s in cascade.streams]
+    declared, params = cascade.vector_inputs, {p.name for p in cascade.params}
+    other_rank = max((len(shapes[k]) - _tail(k, declared, streams) for k in shapes
+                      if k in declared or k in params), default=0)
+    d = next((shapes[k][-1] for k in sorted(declared)), None)  # D before the x[i] are read
+    for s in streams:
+        shape = shapes[s]
+        if s in declared or len(shape) < 2:
+            continue
+        ranks_decide = other_rank > 0 and len(shape) - 1 > other_rank >= len(shape) - 2
+        if s in layout.vector:
+            if not ranks_decide:  # (*rows, N, D) because (*rows, N) does not fit
+                torch._check(shape[-1] != n)
+            d = shape[-1]
+        elif ranks_decide:  # (*rows, N) because (*rows, N, D) does not fit
+            torch._check(shape[-2] != n if d is None else (shape[-2] != n) | (shape[-1] != d))

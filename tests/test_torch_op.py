@@ -47,9 +47,12 @@ def test_eager_call_matches_the_oracle(name):
     assert [(tuple(o.shape), o.dtype) for o in outs] == list(fake.values())
 
 
-def test_inputs_and_outputs_reach_the_kernel_without_a_copy():
+@pytest.mark.parametrize("requires_grad", [False, True])  # True: detached, still no copy
+def test_inputs_and_outputs_reach_the_kernel_without_a_copy(requires_grad):
     op = rt.op("attention", scalars=("scale",), tune=False)
     args = _tensors(example_inputs("attention", n=32, rows=(2, 3), d=16), ("scale",))
+    args = {k: v.requires_grad_(requires_grad) if isinstance(v, torch.Tensor) else v
+            for k, v in args.items()}
     op(*(args[k] for k in op.inputs))  # the first call works out the signature's plan
     handed = []  # the addresses the compiled function is given
     for key, plan in op.kernel._calls.items():  # (the kernel may be shared with other tests)
