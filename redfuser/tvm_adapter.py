@@ -184,11 +184,18 @@ def from_dlpack(tensor):
     never checks at call time the alignment a kernel was compiled for (a misaligned view
     would fault or misread), so every input goes through here.  An empty array (an N = 0
     stream) becomes a TVM-allocated one: numpy and torch give it strides TVM's compact
-    check refuses ("Mismatched .strides"), and there is nothing to copy."""
+    check refuses ("Mismatched .strides"), and there is nothing to copy.  A torch tensor
+    that requires grad, which torch's Python DLPack export refuses (BufferError), is read
+    through TVM's own import (torch's C exchange API), which takes it."""
     try:
         out = tvm_ffi.from_dlpack(tensor, require_alignment=ALIGNMENT, require_contiguous=True)
-    except (ValueError, RuntimeError, TypeError):  # misaligned or strided: copy once
-        out = from_numpy(np.from_dlpack(tensor))
+    except (ValueError, RuntimeError, TypeError, BufferError):  # misaligned, strided or
+        # (torch) requiring grad: copy once
+        try:
+            host = np.from_dlpack(tensor)
+        except BufferError:  # torch, requires grad
+            host = np.from_dlpack(tvm_ffi.from_dlpack(tensor))
+        out = from_numpy(host)
     return kernel_arg(out) if 0 in tuple(out.shape) else out
 
 

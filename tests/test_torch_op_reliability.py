@@ -123,3 +123,15 @@ def test_requires_grad_under_torch_compile():
                                rtol=TOL, atol=TOL)
     with pytest.raises(NotImplementedError, match=r"redfuser\.softmax: .*not differentiable"):
         y.sum().backward()
+
+
+def test_a_kernel_copies_a_misaligned_tensor_that_requires_grad():
+    """redfuser.compile's call path with its plan made: a misaligned tensor goes through
+    tvm_adapter.from_dlpack's aligned copy, where torch's DLPack export refused a tensor
+    that requires grad (BufferError)."""
+    kernel = redfuser.compile("softmax", tune=False)
+    kernel(x=torch.zeros(4, 64))  # the plan for (4, 64) float32 tensors
+    x = torch.randn(4 * 64 + 1, requires_grad=True)[1:].view(4, 64)  # 4 bytes off alignment
+    y = kernel(x=x)["y"]
+    torch.testing.assert_close(y.double(), torch.softmax(x.detach().double(), -1),
+                               rtol=TOL, atol=TOL)
