@@ -355,6 +355,84 @@ class IsFinite(_FloatClass):
     on = {"finite": True, "inf": False, "nan": False}
 
 
+class IsNaN(_FloatClass):
+    """``isnan(x)``: x is NaN.  Also what makes a negated comparison exact in IEEE
+    arithmetic: ``not (a > b)`` is ``a <= b or isnan(a) or isnan(b)`` (``ieee_not``)."""
+
+    spec_name = "isnan"
+    on = {"finite": False, "inf": False, "nan": True}
+
+
+FLOAT_CLASSES = (IsInf, IsFinite, IsNaN)
+
+
+class AsWritten(_Named):
+    """``e`` exactly as the spec wrote it: an identity that sympy cannot see through.
+
+    sympy simplifies as over the real numbers: ``x/x`` is 1, ``x - x`` is 0, ``x*0`` is 0,
+    ``x == x`` and ``exp(x) > 0`` are True.  In IEEE arithmetic none of these holds for
+    every float (0/0, inf - inf and inf*0 are NaN; NaN == NaN is false; exp(-200) is 0 in
+    float32), so where the spec parser sees sympy fold an operation it rebuilds it with an
+    operand wrapped in ``AsWritten``: the algebra treats the operand as an opaque value (its
+    derivative is 1), and every evaluator computes it as written (numpy: the identity; TIR:
+    a value the TVM and LLVM simplifiers cannot fold against its twin, ``texpr``).
+
+    Examples
+    --------
+    >>> x = sp.Symbol("x", real=True)
+    >>> x / x, x / AsWritten(x), sp.Eq(x, AsWritten(x)), x * AsWritten(0)
+    (1, x/as_written(x), Eq(x, as_written(x)), x*as_written(0))
+    """
+
+    spec_name = "as_written"
+    is_number = False  # as_written(0) is computed, not a constant to fold (or to evalf)
+
+    @classmethod
+    def eval(cls, e):
+        return None  # never folded, not even a number (x * 0 is not 0 in IEEE arithmetic)
+
+    def fdiff(self, argindex=1):
+        return sp.S.One
+
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
+
+
+def never_nan(e: sp.Basic) -> bool:
+    """Whether ``e`` cannot be NaN in any float evaluation: a number other than NaN, or an
+    integer (the stream index, the length N), which the kernels never compute in floats."""
+    if e.is_number:
+        return e is not sp.nan and e.is_extended_real is True
+    return bool(e.is_integer)
+
+
+def ieee_not(c: Boolean) -> Boolean:
+    """The negation of a condition in IEEE arithmetic, where NaN makes every ordered
+    comparison false: ``not (a > b)`` is ``a <= b or isnan(a) or isnan(b)`` (sympy's
+    ``Not`` gives ``a <= b``, false at a NaN); ``not (a == b)`` is ``a != b`` (true at a
+    NaN, as IEEE's !=).  De Morgan's laws hold for the connectives.
+
+    Examples
+    --------
+    >>> x, t, j = sp.symbols("x t", real=True) + (sp.Symbol("j", integer=True),)
+    >>> ieee_not(x > t), ieee_not(sp.Eq(x, 0)), ieee_not(j > 3)
+    (isnan(t) | isnan(x) | (x <= t), Ne(x, 0), j <= 3)
+    """
+    if c is sp.true or c is sp.false:
+        return ~c
+    if isinstance(c, sp.Not):
+        return c.args[0]
+    if isinstance(c, sp.And):
+        return sp.Or(*(ieee_not(a) for a in c.args))
+    if isinstance(c, sp.Or):
+        return sp.And(*(ieee_not(a) for a in c.args))
+    if isinstance(c, (sp.Eq, sp.Ne)):
+        return c.negated
+    if isinstance(c, sp.core.relational.Relational):
+        return sp.Or(c.negated, *(IsNaN(a) for a in c.args if not never_nan(a)))
+    return sp.Not(c)  # a float-class test: its negation is exact
+
+
 def _np_sigmoid(x):
     one = x.dtype.type(1)
     return one / (one + np.exp(-x))
@@ -410,6 +488,7 @@ FUNCTIONS: dict[str, Elementwise] = {
     "where": Elementwise(3, Where, np.where),  # select: the other branch never leaks
     "isinf": Elementwise(1, IsInf, np.isinf, condition=True),  # +-inf (not NaN)
     "isfinite": Elementwise(1, IsFinite, np.isfinite, condition=True),  # not inf, not NaN
+    "isnan": Elementwise(1, IsNaN, np.isnan, condition=True),
 }
 
 # Comparisons and connectives are sympy's own Relational/And/Or/Not (Booleans, never numbers):
@@ -437,4 +516,5 @@ BOOLEAN_KERNELS: dict[str, Callable[..., np.ndarray]] = {
 NUMPY_KERNELS: dict[str, Callable[..., np.ndarray]] = {
     **{e.build.__name__: e.numpy for e in FUNCTIONS.values() if e.numpy is not None},
     **BOOLEAN_KERNELS,
+    "AsWritten": lambda v: v,
 }

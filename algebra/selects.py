@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import sympy as sp
 from sympy.logic.boolalg import Boolean
 
-from .functions import Dot, IsFinite, IsInf, Where
+from .functions import FLOAT_CLASSES, AsWritten, Dot, Where, ieee_not
 
 MAX_CONDITIONS = 6  # distinct conditions in one expression: 2**6 cases at most to prove
 
@@ -51,12 +51,34 @@ def lift(e: sp.Basic) -> sp.Basic:
     for k, a in enumerate(args):
         if isinstance(a, Where):
             c, x, y = a.args
-            taken, other = (e.func(*args[:k], v, *args[k + 1:]) for v in (x, y))
+            taken, other = (ieee_apply(e.func, [*args[:k], v, *args[k + 1:]]) for v in (x, y))
             taken, other = lift(taken.xreplace({c: sp.true})), lift(other.xreplace({c: sp.false}))
             if isinstance(e, Boolean):  # a condition built on a select: plain logic
-                return sp.Or(sp.And(c, taken), sp.And(sp.Not(c), other))
+                return sp.Or(sp.And(c, taken), sp.And(ieee_not(c), other))
             return Where(c, taken, other)
     return e.func(*args)
+
+
+def ieee_apply(func, args: list) -> sp.Basic:
+    """``func(*args)``, where a branch moved in by lifting makes sympy's value undefined
+    (``s / where(n > 1, n - 1, 0)``: ``s/0`` is ``zoo*s``) rebuilt with the offending number
+    as written, so it keeps IEEE's value (s/0 is +-inf, 0/0 NaN) in every evaluator.
+
+    Examples
+    --------
+    >>> s = sp.Symbol("s", real=True)
+    >>> ieee_apply(sp.Pow, [sp.S.Zero, -1]) * s
+    s/as_written(0)
+    """
+    value = func(*args)
+    if not value.has(sp.zoo, sp.nan):
+        return value
+    for k, a in enumerate(args):
+        if a.is_number:
+            value = func(*args[:k], AsWritten(a), *args[k + 1:])
+            if not value.has(sp.zoo, sp.nan):
+                return value
+    return value
 
 
 def conditions(e: sp.Basic) -> list[Boolean]:
@@ -71,7 +93,7 @@ def _atoms(e: sp.Basic) -> list[Boolean]:
     out = set()
     for c in conditions(e):
         for n in sp.preorder_traversal(c):
-            if isinstance(n, sp.core.relational.Relational | IsInf | IsFinite) and \
+            if isinstance(n, (sp.core.relational.Relational, *FLOAT_CLASSES)) and \
                     not has_select(n):
                 out.add(_canonical(n))
     return sorted(out, key=sp.default_sort_key)
@@ -109,18 +131,19 @@ def cases(e: sp.Basic) -> Iterator[sp.Basic]:
 
 
 def leaves(e: sp.Expr, mask: Boolean = sp.true) -> list[tuple[Boolean, sp.Expr]]:
-    """(mask, leaf) for each select-free leaf of a lifted select tree.
+    """(mask, leaf) for each select-free leaf of a lifted select tree; the mask of an else
+    branch is the IEEE negation of its condition (a NaN takes the else branch of ``x > 0``).
 
     Examples
     --------
     >>> x = sp.Symbol("x", real=True)
     >>> leaves(Where(x > 0, sp.exp(x), 0))
-    [(x > 0, exp(x)), (x <= 0, 0)]
+    [(x > 0, exp(x)), (isnan(x) | (x <= 0), 0)]
     """
     if not isinstance(e, Where):
         return [(mask, e)]
     c, a, b = e.args
-    return leaves(a, sp.And(mask, c)) + leaves(b, sp.And(mask, sp.Not(c)))
+    return leaves(a, sp.And(mask, c)) + leaves(b, sp.And(mask, ieee_not(c)))
 
 
 def masked(mask: Boolean, value: sp.Expr) -> sp.Expr:

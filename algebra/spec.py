@@ -14,6 +14,7 @@ import difflib
 from dataclasses import dataclass
 
 import sympy as sp
+from sympy.logic.boolalg import BooleanAtom
 
 from .cascade import (
     INDEX,
@@ -27,7 +28,7 @@ from .cascade import (
     epilogue_assumptions,
 )
 from .errors import NotFusable, SpecError
-from .functions import COMPARISONS, CONNECTIVES, FUNCTIONS, Dot
+from .functions import COMPARISONS, CONNECTIVES, FUNCTIONS, AsWritten, Dot, ieee_not
 from .laws import LAWS
 from .limits import (
     MAX_DEPTH,
@@ -44,6 +45,9 @@ from .names import fresh, spec_names
 from .selects import MAX_CONDITIONS, conditions, lift
 
 CONSTANTS = {"pi": sp.pi, "inf": sp.oo}
+# one-argument functions whose sympy value is their own node unless sympy folded it
+_NATURAL = {f: f for f in (sp.exp, sp.log, sp.Abs, sp.tanh, sp.sin, sp.cos, sp.erf, sp.floor,
+                           sp.ceiling, sp.sign)}
 OUT = "out"  # kernels take their preallocated outputs as out=: no input may be named so
 
 
@@ -235,11 +239,10 @@ class _Lifter:
         return v
 
     def e_UnaryOp(self, node):
-        if isinstance(node.op, ast.Not):
-            v = self.condition(node.operand, "'not'")
-            return _Val(sp.Not(v.expr), v.shape, v.reduces, True)
-        if isinstance(node.op, ast.Invert):
-            _fail(node, "'~' is not a spec operator: negate a condition with 'not'")
+        if isinstance(node.op, (ast.Not, ast.Invert)):  # numpy spells not as ~
+            word = "'not'" if isinstance(node.op, ast.Not) else "'~' (numpy's not)"
+            v = self.condition(node.operand, word)
+            return _Val(ieee_not(v.expr), v.shape, v.reduces, True)
         v = self.number(node.operand)
         if isinstance(node.op, ast.USub):
             return _Val(-v.expr, v.shape, v.reduces)
@@ -254,7 +257,7 @@ class _Lifter:
         for op, a, b in zip(node.ops, sides, sides[1:], strict=False):
             shape = shape.join(b.shape, node)
             try:
-                parts.append(COMPARISONS[type(op).__name__](a.expr, b.expr))
+                parts.append(_as_written(COMPARISONS[type(op).__name__], a.expr, b.expr))
             except (KeyError, TypeError):  # 'is', 'in'; or a comparison sympy finds undefined
                 _fail(node, f"cannot compare in {ast.unparse(node)!r}: use < <= > >= == != "
                             "between real numbers")
@@ -270,8 +273,7 @@ class _Lifter:
 
     def e_BinOp(self, node):
         if isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
-            _fail(node, f"'{ast.unparse(node)}': '&', '|' and '^' are not spec operators; join "
-                        "conditions with 'and' / 'or'")
+            return self._connective(node)
         a, b = self.number(node.left), self.number(node.right)
         ops = {ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y,
                ast.Mult: lambda x, y: x * y, ast.Div: lambda x, y: x / y,
@@ -281,11 +283,32 @@ class _Lifter:
             _fail(node, f"unsupported operator in {ast.unparse(node)!r}")
         if isinstance(node.op, ast.Pow):
             self._check_power(node, a.expr, b.expr)
-        value = fn(a.expr, b.expr)
+        if isinstance(node.op, ast.Div) and b.expr.is_zero:  # a typo, surely: say so
+            _fail(node, f"'{ast.unparse(node)}' is undefined (division by the constant 0)")
+        value = _as_written(fn, a.expr, b.expr)
         if _undefined(value):
-            _fail(node, f"'{ast.unparse(node)}' is undefined (division by zero or a complex "
-                        "value)")
+            _fail(node, f"'{ast.unparse(node)}' is undefined (a complex value)")
         return _Val(value, a.shape.join(b.shape, node), a.reduces or b.reduces)
+
+    def _connective(self, node):
+        """numpy's spelling of the connectives on conditions: ``&`` and, ``|`` or, ``^`` xor
+        (numpy's ``(a < b) & (c > d)``); on numbers they are bitwise operators, which a spec
+        of float values has no use for."""
+        symbol = {ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^"}[type(node.op)]
+        sides = []
+        for side in (node.left, node.right):
+            v = self.expr(side)
+            if not v.boolean:
+                _fail(side, f"'{symbol}' joins conditions (numpy's elementwise and/or/xor), "
+                            f"but '{ast.unparse(side)}' is a number; compare it first, and "
+                            f"mind that '{symbol}' binds tighter than a comparison: write "
+                            f"(a < b) {symbol} (c < d)")
+            sides.append(v)
+        a, b = sides
+        join = {ast.BitAnd: sp.And, ast.BitOr: sp.Or,
+                ast.BitXor: lambda p, q: sp.Or(sp.And(p, ieee_not(q)), sp.And(ieee_not(p), q))}
+        return _Val(join[type(node.op)](a.expr, b.expr), a.shape.join(b.shape, node),
+                    a.reduces or b.reduces, True)
 
     def e_Name(self, node):
         return self.name(node.id, node, subscripted=False)
@@ -330,6 +353,9 @@ class _Lifter:
         for a in args[1:]:
             shape = shape.join(a.shape, node)
         value = fn.build(*(a.expr for a in args))
+        if _folded_call(fn, value, args):  # exp(log(x)) is x over the reals, not in floats
+            value = fn.build(*(AsWritten(a.expr) if a.expr.free_symbols else a.expr
+                               for a in args))
         if not fn.condition and _undefined(value):
             _fail(node, f"'{ast.unparse(node)}' is undefined (a complex or infinite value)")
         return _Val(value, shape, any(a.reduces for a in args), fn.condition)
@@ -394,6 +420,57 @@ class _Lifter:
 
     def _hidden_name(self, op: str) -> str:
         return fresh(f"{self.target}_{op}", self.names)
+
+
+def _occurrences(e: sp.Basic) -> int:
+    """How many times the spec's values occur in ``e``: its symbol leaves, an integer power
+    counting its base that many times (x*x is x**2: two occurrences, nothing lost)."""
+    if e.is_Symbol:
+        return 1
+    if e.is_Pow and e.exp.is_Integer:
+        return abs(int(e.exp)) * _occurrences(e.base)
+    return sum(_occurrences(a) for a in e.args)
+
+
+def _as_written(op, a: sp.Basic, b: sp.Basic) -> sp.Basic:
+    """``op(a, b)`` as IEEE arithmetic computes it.  sympy simplifies while it builds, as
+    over the real numbers; wherever that drops an occurrence of a value (``x - x`` is 0,
+    ``x/x`` 1, ``x*0`` 0, ``x/0`` zoo) or decides a comparison (``x == x``, ``exp(x) > 0``),
+    the operation is rebuilt with one operand ``AsWritten`` (a number if there is one: sympy
+    folds ``0*f`` whatever ``f`` is), which sympy cannot cancel or decide, so the kernels
+    and the oracle compute what was written (inf - inf is NaN; NaN == NaN is false).
+
+    Examples
+    --------
+    >>> x = sp.Symbol("x", real=True)
+    >>> _as_written(lambda p, q: p - q, x, x), _as_written(sp.Mul, x, 0), _as_written(sp.Eq, x, x)
+    (x - as_written(x), x*as_written(0), Eq(x, as_written(x)))
+    >>> _as_written(sp.Add, x, 1), _as_written(sp.Mul, x, x)
+    (x + 1, x**2)
+    """
+    a, b = sp.sympify(a), sp.sympify(b)
+    value = op(a, b)
+    spoken = a.free_symbols | b.free_symbols
+    if isinstance(value, BooleanAtom):
+        folded = bool(spoken)
+    else:
+        folded = _occurrences(value) < _occurrences(a) + _occurrences(b) or \
+            value.has(sp.zoo, sp.nan)
+    if not folded:
+        return value
+    if b.is_number or not a.is_number:
+        return op(a, AsWritten(b))
+    return op(AsWritten(a), b)
+
+
+def _folded_call(fn, value: sp.Basic, args: list) -> bool:
+    """Whether sympy folded the call into something else (exp(log(x)) -> x,
+    log(exp(x)) -> x, abs(x**2) -> x**2, exp(x + log(y)) -> y*exp(x)): valid over the reals,
+    not in floats (exp overflows, log of a negative is NaN)."""
+    natural = _NATURAL.get(fn.build)
+    if natural is None or not any(a.expr.free_symbols for a in args):
+        return False
+    return not isinstance(value.as_coeff_Mul()[1], natural)  # sin(m - x) = -sin(x - m)
 
 
 def _undefined(value: sp.Expr) -> bool:

@@ -84,6 +84,15 @@ def isnan(x):
     return abs_bits(x) > _i(0x7F800000)
 
 
+def as_written(x):
+    """``x``, in a form TVM's simplifier cannot match against ``x`` itself (it folds
+    ``x - x`` to 0 and ``x == x`` to true for floats, where inf and NaN make both wrong): the
+    value round-trips through its integer bits, which no rewrite rule undoes.  The spec
+    parser wraps one operand of every operation that sympy would have folded
+    (``algebra.functions.AsWritten``)."""
+    return tirx.reinterpret(F32, tirx.reinterpret("int32", x))
+
+
 def abs_bits(x):
     """The int32 bits of |x|: ordered like |x| for numbers, above those of inf for NaN."""
     return tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7FFFFFFF))

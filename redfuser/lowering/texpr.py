@@ -137,18 +137,46 @@ FUNCS: dict[str, Callable] = {
     "Minimum": lambda a, dt, exp: _maximum(a[0], a[1], dt, tirx.min),
     "Clip": lambda a, dt, exp: _maximum(_maximum(a[0], a[1], dt), a[2], dt, tirx.min),  # np.clip
     "Where": lambda a, dt, exp: tirx.Select(a[0], a[1], a[2]),  # np.where: no branch leaks
-    "StrictLessThan": lambda a, dt, exp: a[0] < a[1],
-    "LessThan": lambda a, dt, exp: a[0] <= a[1],
-    "StrictGreaterThan": lambda a, dt, exp: a[0] > a[1],
-    "GreaterThan": lambda a, dt, exp: a[0] >= a[1],
-    "Equality": lambda a, dt, exp: tirx.EQ(a[0], a[1]),  # PrimExpr == is object identity
-    "Unequality": lambda a, dt, exp: tirx.NE(a[0], a[1]),
+    "StrictLessThan": lambda a, dt, exp: _compare(tirx.LT, *a),
+    "LessThan": lambda a, dt, exp: _compare(tirx.LE, *a),
+    "StrictGreaterThan": lambda a, dt, exp: _compare(tirx.GT, *a),
+    "GreaterThan": lambda a, dt, exp: _compare(tirx.GE, *a),
+    "Equality": lambda a, dt, exp: _compare(tirx.EQ, *a),  # PrimExpr == is object identity
+    "Unequality": lambda a, dt, exp: _compare(tirx.NE, *a),
     "And": lambda a, dt, exp: functools.reduce(tirx.And, a),  # sympy's And/Or are n-ary
     "Or": lambda a, dt, exp: functools.reduce(tirx.Or, a),
     "Not": lambda a, dt, exp: tirx.Not(a[0]),
     "IsInf": lambda a, dt, exp: fastmath.isinf(a[0]),  # on the bits: never folded away
     "IsFinite": lambda a, dt, exp: fastmath.isfinite(a[0]),
+    "IsNaN": lambda a, dt, exp: isnan(a[0]),
+    "AsWritten": lambda a, dt, exp: fastmath.as_written(a[0]),
 }
+
+
+def _compare(op, a, b):
+    """An IEEE comparison: false when either float operand is NaN, except ``!=``, true then.
+    TVM compiles with LLVM's NoNaNsFPMath, under which a compare's answer at a NaN is
+    undefined (and TVM's simplifier rewrites ``not (a > b)`` to ``a <= b``), so the NaN
+    tests are explicit, on the bits; an operand that cannot be NaN (an integer, a literal)
+    needs none."""
+    def test(u, v):
+        nans = [isnan(w) for w in (u, v) if _may_be_nan(w)]
+        if not nans:
+            return op(u, v)
+        if op is tirx.NE:
+            return functools.reduce(tirx.Or, nans, op(u, v))
+        return functools.reduce(tirx.And, [tirx.Not(n) for n in nans], op(u, v))
+    return share(a, lambda u: share(b, lambda v: test(u, v)))
+
+
+def _may_be_nan(e) -> bool:
+    """Whether ``e`` may hold a NaN: not an integer, a literal number, or an integer cast
+    to float (the stream index ``i``)."""
+    if not str(e.ty.dtype).startswith("float"):
+        return False
+    if isinstance(e, tirx.Cast):
+        return _may_be_nan(e.value)
+    return not (isinstance(e, tirx.FloatImm) and not np.isnan(e.value))
 
 
 def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: bool = True,
