@@ -146,6 +146,8 @@ def _as_array(name: str, value) -> np.ndarray:
     if isinstance(value, Number) and not isinstance(value, bool):
         return np.asarray(value)
     if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
+        if getattr(value, "requires_grad", False):  # DLPack refuses it; detach is a view
+            value = value.detach()
         value = np.from_dlpack(resolved(value))
     if not isinstance(value, np.ndarray):
         raise TypeError(f"input '{name}' must be a number or an array, not "
