@@ -10,7 +10,9 @@ repeated runs in one process, with the thread count printed.  Ratios are measure
 same run because these machines are shared and noisy.  Each row also states its distance
 to this machine's limits (``limits``): GB/s moved (inputs + outputs, the ``out=`` call)
 against the measured copy bandwidth for memory-bound workloads, GFLOP/s against a
-measured GEMM for matmul-bound ones.
+measured GEMM for matmul-bound ones.  The last line checks that TVM's thread pool did not
+slow the torch and copy columns: a copy before any TVM kernel against the same copy right
+after each call of one (``neighbour check``; ``python -m redfuser.tools.neighbour``).
 
 ``--tuned`` adds the tuned fused kernel (``redfuser.tune``: the cost model ranks the
 schedule space, the best few candidates and the hand-written plan are measured, the
@@ -29,16 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# TVM's idle workers busy-wait for the next task by default; in a process shared with torch
-# they steal its cores (torch.softmax measured 100x slower right after a TVM kernel on 2
-# cores).  Read when TVM loads, so set before the first TVM import.
-os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+import redfuser
 
-import redfuser  # noqa: E402
-
-from ..lowering.cpu.vector import host_isa  # noqa: E402
-from ..tune import describe, machine, tune  # noqa: E402
-from ..tvm_adapter import (  # noqa: E402
+from ..lowering.cpu.vector import host_isa
+from ..tune import describe, machine, tune
+from ..tvm_adapter import (
     IRBuilder,
     T,
     arg_buffer,
@@ -47,10 +44,11 @@ from ..tvm_adapter import (  # noqa: E402
     from_numpy,
     tirx,
 )
-from ..tvm_adapter import build as tvm_build  # noqa: E402
-from . import quant_bench  # noqa: E402
-from .metaschedule_compare import print_comparison  # noqa: E402
-from .timing import median_ms, seconds, settle  # noqa: E402
+from ..tvm_adapter import build as tvm_build
+from . import quant_bench
+from .metaschedule_compare import print_comparison
+from .neighbour import COPY_SIDE, SPIN_ENV, copy_call, samples_ms
+from .timing import median_ms, seconds, settle
 
 
 @dataclass(frozen=True)
@@ -166,6 +164,9 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
         torch.set_num_threads(default_threads())
     except ImportError:
         torch = None
+    copy = copy_call(torch)
+    copy()  # warm-up
+    before = float(np.median(samples_ms(copy, 2 * repeat)))  # before TVM's pool starts
     if tuned:  # calibrate the cost model before torch has run (its idle threads spin)
         machine()
     rng = np.random.default_rng(0)
@@ -197,7 +198,22 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
         print(quant_bench.line(quant_bench.row(scale, repeat, torch)), flush=True)
     if not only or only in "tiny call":
         print(call_line(torch), flush=True)
+    print(neighbour_line(copy, before, repeat), flush=True)
     return rows
+
+
+def neighbour_line(copy: Callable[[], object], before: float, repeat: int) -> str:
+    """The copy baseline as the benchmark measured it (``before``: ms before any TVM kernel)
+    against the same copies in a row right after a parallel TVM kernel (a softmax of 64
+    rows): a spinning TVM pool (``tvm_adapter``: TVM_THREAD_POOL_SPIN_COUNT) would slow the
+    second, and with it every torch and copy column measured after a kernel."""
+    x = np.random.default_rng(2).normal(size=(64, 4096)).astype(np.float32)
+    softmax = redfuser.compile("softmax", tune=False, outputs=["y"])
+    softmax(x=x)
+    after = float(np.median(samples_ms(copy, 2 * repeat)))
+    return (f"neighbour check: copy {COPY_SIDE}x{COPY_SIDE} {before:.2f} ms before any TVM "
+            f"kernel, {after:.2f} ms in a row right after one (after/before "
+            f"{after / before:.2f}; {SPIN_ENV}={os.environ[SPIN_ENV]})")
 
 
 CALLS = 20000  # calls per timeit repeat of the tiny call
