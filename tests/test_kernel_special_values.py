@@ -27,21 +27,16 @@ propagation the oracle already states.)
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+import ast
 
 import numpy as np
 import pytest
-import sympy as sp
 from conftest import assert_indices_equal, assert_matches, examples, rule_for
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from test_kernel_properties import SAFETY, VARIANTS, cascades, make_inputs, sensitivity
 
 import redfuser
-from algebra.cascade import Cascade, Shape
-from algebra.names import fresh
-from algebra.spec import parse
 
 SPECIAL = ("nan", "inf", "ties", "huge")  # what replaces entries of x (module docstring)
 SHARE = 0.2  # of the entries of the other rows: most rows hold a special value, some none
@@ -72,53 +67,56 @@ def in_float32(ref: np.ndarray) -> np.ndarray:
         return np.where(np.abs(ref) > F32_MAX, np.copysign(np.inf, ref), ref)
 
 
-def with_bounds(cascade: Cascade) -> tuple[Cascade, dict[str, list[str]]]:
-    """``cascade`` plus, after each reduction, the float32 values its kernel must hold
-    (module docstring): its largest |term| and, for a sum, the sum itself.  Returns the
-    augmented cascade and {reduction: the output names of those values}."""
-    taken, reductions, bounds, shapes = set(cascade.names), [], {}, dict(cascade.shapes)
-    for r in cascade.reductions:
-        held = [("max", sp.Abs(r.body))] + ([("sum", r.body)] if r.op == "sum" else [])
-        bounds[r.name] = [fresh(f"{r.name}_held", taken) for _ in held]
-        reductions += [r] + [dataclasses.replace(r, name=name, op=op, body=body, k=None)
-                             for name, (op, body) in zip(bounds[r.name], held, strict=True)]
-        shapes.update({name: Shape(cascade.shapes[r.name].vec) for name in bounds[r.name]})
-    extra = tuple(name for names in bounds.values() for name in names)
-    return dataclasses.replace(cascade, reductions=tuple(reductions), shapes=shapes,
-                               outputs=cascade.outputs + extra, names=frozenset(taken)), bounds
+REDUCTIONS = ("sum", "max", "min", "argmax", "argmin", "topk")  # what the cascades call
 
 
-def reads(cascade: Cascade) -> dict[str, frozenset[str]]:
-    """{output: the reductions it reads, directly or through other results, itself
+def target(stmt: ast.Assign) -> str:
+    """The name a spec statement defines (``e`` for ``e[i] = ...``)."""
+    node = stmt.targets[0]
+    return node.value.id if isinstance(node, ast.Subscript) else node.id
+
+
+def with_held(spec: str) -> tuple[str, dict[str, list[str]]]:
+    """``spec`` plus, for each reduction, lines giving the values its kernel must hold in
+    float32 (module docstring): its largest |term| and, for a sum, the sum itself.  Returns
+    the text and {statement's name: the names of its reductions' lines}."""
+    lines, held = [spec], {}
+    for stmt in ast.parse(spec).body:
+        names = held[target(stmt)] = []
+        for call in ast.walk(stmt.value):
+            if isinstance(call, ast.Call) and getattr(call.func, "id", None) in REDUCTIONS:
+                body = ast.unparse(call.args[0])
+                forms = [f"max(abs({body}))"] + ([f"sum({body})"] if call.func.id == "sum"
+                                                 else [])
+                for form in forms:
+                    names.append(f"{target(stmt)}_held{len(names)}")
+                    lines.append(f"{names[-1]} = {form}")
+    return "\n".join(lines), held
+
+
+def reads(spec: str) -> dict[str, set[str]]:
+    """{statement's name: the statements it reads, directly or through others, itself
     included}."""
-    exprs = {**{r.name: r.body for r in cascade.reductions}, **cascade.epilogues,
-             **cascade.elementwise}
-    reductions = {r.name for r in cascade.reductions}
-
-    @functools.cache
-    def of(name: str) -> frozenset[str]:
-        own = {name} & reductions
-        return frozenset(own.union(*(of(s.name) for s in exprs[name].free_symbols
-                                     if s.name in exprs)))
-
-    return {name: of(name) for name in cascade.outputs}
+    out: dict[str, set[str]] = {}
+    for stmt in ast.parse(spec).body:
+        used = {n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name)}
+        out[target(stmt)] = {target(stmt)}.union(*(out[n] for n in used if n in out))
+    return out
 
 
 def overflowing(spec: str, inputs: dict, rows: tuple) -> dict[str, np.ndarray]:
     """{output: per-row bool}: rows where the output reads a reduction whose float32
     intermediates provably leave float32's range (module docstring)."""
-    cascade = parse(spec)
-    augmented, bounds = with_bounds(cascade)
+    text, held = with_held(spec)
     with np.errstate(all="ignore"):
-        values = redfuser.reference(augmented, inputs)
-    over = {}
-    for r, names in bounds.items():
-        v = np.abs(np.concatenate([values[b].reshape(rows + (-1,)) for b in names], axis=-1))
-        over[r] = ((v > F32_MAX) & np.isfinite(v)).any(axis=-1)
-    dependence = reads(cascade)
-    return {name: np.logical_or.reduce([over[r] for r in dependence[name]] +
-                                       [np.zeros(rows, bool)])
-            for name in cascade.outputs}
+        values = redfuser.reference(text, inputs)
+    own = {}
+    for name, lines in held.items():
+        v = np.abs(np.concatenate([values[h].reshape(rows + (-1,)) for h in lines] +
+                                  [np.zeros(rows + (0,))], axis=-1))
+        own[name] = ((v > F32_MAX) & np.isfinite(v)).any(axis=-1)
+    return {name: np.logical_or.reduce([own[s] for s in sources])
+            for name, sources in reads(spec).items()}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
