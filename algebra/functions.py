@@ -398,6 +398,24 @@ class AsWritten(_Named):
         return self.args[0].is_extended_real
 
 
+def occurrences(e: sp.Basic) -> int:
+    """How many times values occur in ``e``: its symbol leaves, an integer power counting
+    its base that many times (x*x is x**2: two occurrences, nothing lost).  An operation
+    that leaves fewer than its operands had was folded by sympy as over the reals.
+
+    Examples
+    --------
+    >>> x = sp.Symbol("x", real=True)
+    >>> occurrences(x**2), occurrences(x - x), occurrences(-sp.oo - x)
+    (2, 0, 0)
+    """
+    if e.is_Symbol:
+        return 1
+    if e.is_Pow and e.exp.is_Integer:
+        return abs(int(e.exp)) * occurrences(e.base)
+    return sum(occurrences(a) for a in e.args)
+
+
 def never_nan(e: sp.Basic) -> bool:
     """Whether ``e`` cannot be NaN in any float evaluation: a number other than NaN, or an
     integer (the stream index, the length N), which the kernels never compute in floats."""

@@ -25,9 +25,13 @@ LIBRARY: dict[str, tuple[str, str]] = {
                       "cross-entropy against a (soft or one-hot) target row t"),
     "attention": ("s = dot(q, k[i, :]) * scale\n" + _ATTENTION,
                   "one query row against keys and values: the online-softmax rule"),
-    "causal_attention": ("s = where(i <= pos, dot(q, k[i, :]) * scale, -inf)\n" + _ATTENTION,
-                         "attention of the query at position pos: keys i > pos are masked "
-                         "(a select, so inf/NaN in masked keys never reach the result)"),
+    "causal_attention": ("s = where(i <= pos, dot(q, k[i, :]) * scale, -inf)\nm = max(s)\n"
+                         "d = sum(where(i <= pos, exp(s - m), 0))\n"
+                         "o = sum(where(i <= pos, exp(s - m) * v[i, :], 0)) / d",
+                         "attention of the query at position pos: keys i > pos are masked by "
+                         "selects, so inf/NaN in masked keys or values never reach the result "
+                         "(as written, exp(-inf - m) * v would be 0 * v, NaN for a NaN v; "
+                         "and a fully masked row gives d = 0, o = 0/0 = NaN)"),
     "variance": ("mean = sum(x[i]) / N\nvar = sum((x[i] - mean)**2) / N",
                  "mean and (population) variance, anchored at the running mean"),
     "layernorm": ("mean = sum(x[i]) / N\nvar = sum((x[i] - mean)**2) / N\n"

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import sympy as sp
 from sympy.logic.boolalg import Boolean
 
-from .functions import FLOAT_CLASSES, AsWritten, Dot, Where, ieee_not
+from .functions import FLOAT_CLASSES, AsWritten, Dot, IsNaN, Where, ieee_not, occurrences
 
 MAX_CONDITIONS = 6  # distinct conditions in one expression: 2**6 cases at most to prove
 
@@ -71,14 +71,23 @@ def ieee_apply(func, args: list) -> sp.Basic:
     s/as_written(0)
     """
     value = func(*args)
-    if not value.has(sp.zoo, sp.nan):
+    if not _folded(value, args):
         return value
     for k, a in enumerate(args):
         if a.is_number:
-            value = func(*args[:k], AsWritten(a), *args[k + 1:])
-            if not value.has(sp.zoo, sp.nan):
-                return value
+            wrapped = func(*args[:k], AsWritten(a), *args[k + 1:])
+            if not _folded(wrapped, args):
+                return wrapped
     return value
+
+
+def _folded(value: sp.Basic, args: list) -> bool:
+    """sympy's value lost what IEEE arithmetic would compute: undefined (``s/0``), or an
+    operand absorbed by an infinity (``-oo - m`` is ``-oo``, but NaN at ``m = -oo``)."""
+    if value.has(sp.zoo, sp.nan):
+        return True
+    infinite = any(a in (sp.oo, -sp.oo) for a in args)
+    return infinite and occurrences(value) < sum(occurrences(sp.sympify(a)) for a in args)
 
 
 def conditions(e: sp.Basic) -> list[Boolean]:
@@ -124,10 +133,20 @@ def cases(e: sp.Basic) -> Iterator[sp.Basic]:
     if not atoms:
         yield e
         return
-    atom = atoms[0]
+    atom = next((a for a in atoms if isinstance(a, IsNaN)), atoms[0])  # NaN decides more
     for value in (sp.true, sp.false):
         negated = atom.negated if isinstance(atom, sp.core.relational.Relational) else ~atom
-        yield from cases(e.xreplace({atom: value, negated: ~value}))
+        known = {atom: value, negated: ~value}
+        if isinstance(atom, IsNaN) and value is sp.true:
+            known.update(_at_nan(e, atom.args[0]))
+        yield from cases(e.xreplace(known))
+
+
+def _at_nan(e: sp.Basic, v: sp.Expr) -> dict:
+    """The comparisons of ``v`` decided by ``v`` being NaN: ``!=`` true, every other false
+    (so that a case split never assigns ``isnan(t)`` and ``i <= t`` both true)."""
+    return {r: sp.true if isinstance(r, sp.Ne) else sp.false
+            for r in e.atoms(sp.core.relational.Relational) if v in r.args}
 
 
 def leaves(e: sp.Expr, mask: Boolean = sp.true) -> list[tuple[Boolean, sp.Expr]]:

@@ -28,7 +28,15 @@ from .cascade import (
     epilogue_assumptions,
 )
 from .errors import NotFusable, SpecError
-from .functions import COMPARISONS, CONNECTIVES, FUNCTIONS, AsWritten, Dot, ieee_not
+from .functions import (
+    COMPARISONS,
+    CONNECTIVES,
+    FUNCTIONS,
+    AsWritten,
+    Dot,
+    ieee_not,
+    occurrences,
+)
 from .laws import LAWS
 from .limits import (
     MAX_DEPTH,
@@ -422,16 +430,6 @@ class _Lifter:
         return fresh(f"{self.target}_{op}", self.names)
 
 
-def _occurrences(e: sp.Basic) -> int:
-    """How many times the spec's values occur in ``e``: its symbol leaves, an integer power
-    counting its base that many times (x*x is x**2: two occurrences, nothing lost)."""
-    if e.is_Symbol:
-        return 1
-    if e.is_Pow and e.exp.is_Integer:
-        return abs(int(e.exp)) * _occurrences(e.base)
-    return sum(_occurrences(a) for a in e.args)
-
-
 def _as_written(op, a: sp.Basic, b: sp.Basic) -> sp.Basic:
     """``op(a, b)`` as IEEE arithmetic computes it.  sympy simplifies while it builds, as
     over the real numbers; wherever that drops an occurrence of a value (``x - x`` is 0,
@@ -454,7 +452,7 @@ def _as_written(op, a: sp.Basic, b: sp.Basic) -> sp.Basic:
     if isinstance(value, BooleanAtom):
         folded = bool(spoken)
     else:
-        folded = _occurrences(value) < _occurrences(a) + _occurrences(b) or \
+        folded = occurrences(value) < occurrences(a) + occurrences(b) or \
             value.has(sp.zoo, sp.nan)
     if not folded:
         return value
