@@ -166,13 +166,26 @@ def _compare(op, a, b):
         if op is tirx.NE:
             return functools.reduce(tirx.Or, nans, op(u, v))
         return functools.reduce(tirx.And, [tirx.Not(n) for n in nans], op(u, v))
+    a, b = _integers(a, b)
     return share(a, lambda u: share(b, lambda v: test(u, v)))
+
+
+def _is_float(e) -> bool:
+    return str(e.ty.dtype).startswith("float")
+
+
+def _integers(a, b):
+    """Two integers cast to float (the index ``i`` and an ``argmax`` result) compare as
+    integers: exact past 2**24, where float32 would merge neighbours."""
+    if all(isinstance(e, tirx.Cast) and not _is_float(e.value) for e in (a, b)):
+        return tirx.Cast("int64", a.value), tirx.Cast("int64", b.value)
+    return a, b
 
 
 def _may_be_nan(e) -> bool:
     """Whether ``e`` may hold a NaN: not an integer, a literal number, or an integer cast
     to float (the stream index ``i``)."""
-    if not str(e.ty.dtype).startswith("float"):
+    if not _is_float(e):
         return False
     if isinstance(e, tirx.Cast):
         return _may_be_nan(e.value)
@@ -197,7 +210,8 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
 
     def go(e: sp.Expr):
         if e.is_Symbol or isinstance(e, Dot):
-            return lookup(e)
+            value = lookup(e)  # an index result (argmax) is an integer: a number here
+            return value if _is_float(value) else tirx.Cast(dtype, value)
         if e.is_number:
             return const(e, dtype)
         if e.is_Add and (common := sp.factor_terms(e)).is_Mul:
@@ -217,6 +231,8 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
             raise NotImplementedError(f"no TIR lowering for {type(e).__name__} in `{e}`")
         return build([go(a) for a in e.args], dtype, exp)
 
+    if expr.is_Symbol:  # a value as it is: an index result stays an integer
+        return lookup(expr)
     return go(expr)
 
 
