@@ -7,12 +7,14 @@ per-element outputs in a second pass.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from .cascade import INDEX, LENGTH
 from .components import INDEX_KEY, SelectComponent
 from .layout import Layout, resolve, to_user, vector_results
-from .numeric import compile_expr
+from .numeric import PER_ROW, compile_expr
 
 
 def _bounds(chunks, n: int) -> list[tuple[int, int]]:
@@ -65,9 +67,20 @@ def _params(rule, lay: Layout) -> dict:
     return params
 
 
+@contextmanager
+def _per_row(cascade):
+    """Sums add the cascade's per-row inputs last, as the kernels do (``numeric.PER_ROW``);
+    an earlier stage's result is not one of them (a kernel holds it next to the stream)."""
+    token = PER_ROW.set(frozenset(p.name for p in cascade.params) | {LENGTH})
+    try:
+        yield
+    finally:
+        PER_ROW.reset(token)
+
+
 def run(rule, inputs: dict, chunks=None, tree=None) -> dict[str, np.ndarray]:
     lay = resolve(rule.cascade, inputs)
-    with np.errstate(all="ignore"):  # inf - inf and 0 * inf are handled by the laws, not here
+    with np.errstate(all="ignore"), _per_row(rule.cascade):  # inf - inf, 0 * inf: the laws'
         final = fold(rule, lay, _params(rule, lay), chunks, tree)
     return to_user(rule.cascade, lay, final)
 
@@ -79,7 +92,7 @@ def run_staged(staged, inputs: dict, plans) -> dict[str, np.ndarray]:
     params = {p.name: lay.arrays[p.name] for p in staged.cascade.params}
     params[LENGTH] = lay.dtype.type(lay.n)
     final: dict[str, np.ndarray] = {}
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), _per_row(staged.cascade):
         for stage, (chunks, tree) in zip(staged.stages, plans, strict=True):
             out = fold(stage.rule, lay, params, chunks, tree)
             final.update(out)

@@ -9,6 +9,7 @@ into nested closures once and then called per element.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import reduce
 
@@ -38,8 +39,7 @@ def compile_expr(expr: sp.Expr) -> Compiled:
         value = _constant(expr)
         return lambda env, dt: dt.type(value)
     if expr.is_Add:
-        parts = [compile_expr(a) for a in expr.args]
-        return lambda env, dt: reduce(np.add, (p(env, dt) for p in parts))
+        return _compile_add(expr)
     if expr.is_Mul:
         return _compile_mul(expr)
     if expr.is_Pow:
@@ -49,6 +49,28 @@ def compile_expr(expr: sp.Expr) -> Compiled:
         raise NotImplementedError(f"no numpy kernel for {type(expr).__name__} in `{expr}`")
     args = [compile_expr(a) for a in expr.args]
     return lambda env, dt: kernel(*(a(env, dt) for a in args))
+
+
+# names of the per-row inputs (parameters, N) of the rule being run: a sum adds them last
+PER_ROW: ContextVar[frozenset[str]] = ContextVar("per_row_inputs", default=frozenset())
+
+
+def _compile_add(expr: sp.Add) -> Compiled:
+    """A sum in the order the kernels add it (``redfuser.lowering.texpr``): terms that vary
+    along the row or are earlier results first, then those of per-row inputs only
+    (``PER_ROW``, set by the caller that knows them), then numbers.  sympy's order is
+    alphabetical (``x - m + t`` is ``-m + t + x``); adding ``t - m`` first loses a small t
+    next to a huge m, where the spec's ``(x - m) + t`` is exact."""
+    parts = [(compile_expr(a), 2 if a.is_number else None,
+              frozenset(str(s) for s in a.free_symbols)) for a in expr.args]
+
+    def run(env, dt):
+        per_row = PER_ROW.get()
+        ranked = sorted(parts, key=lambda p: p[1] if p[1] is not None else
+                        int(bool(per_row) and p[2] <= per_row))
+        return reduce(np.add, (p(env, dt) for p, _, _ in ranked))
+
+    return run
 
 
 def _compile_mul(expr: sp.Mul) -> Compiled:

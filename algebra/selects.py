@@ -38,8 +38,10 @@ def lift(e: sp.Basic) -> sp.Basic:
     Examples
     --------
     >>> s, m = sp.symbols("s m", real=True)
-    >>> lift(sp.exp(Where(s > 0, s, -sp.oo) - m))
+    >>> lift(sp.exp(Where(s > 0, s - m, -sp.oo)))
     where(s > 0, exp(-m + s), 0)
+    >>> lift(sp.exp(Where(s > 0, s, -sp.oo) - m))  # exp(-inf - m) is NaN at m = -inf
+    where(s > 0, exp(-m + s), exp(-m + as_written(-oo)))
     """
     if not has_select(e) or isinstance(e, Dot) or not e.args:
         return e
@@ -83,11 +85,11 @@ def ieee_apply(func, args: list) -> sp.Basic:
 
 def _folded(value: sp.Basic, args: list) -> bool:
     """sympy's value lost what IEEE arithmetic would compute: undefined (``s/0``), or an
-    operand absorbed by an infinity (``-oo - m`` is ``-oo``, but NaN at ``m = -oo``)."""
+    operand absorbed by a branch's number (``-oo - m`` is ``-oo``, but NaN at ``m = -oo``;
+    ``0 / mass`` is 0, but NaN at ``mass = 0``)."""
     if value.has(sp.zoo, sp.nan):
         return True
-    infinite = any(a in (sp.oo, -sp.oo) for a in args)
-    return infinite and occurrences(value) < sum(occurrences(sp.sympify(a)) for a in args)
+    return occurrences(value) < sum(occurrences(sp.sympify(a)) for a in args)
 
 
 def conditions(e: sp.Basic) -> list[Boolean]:
