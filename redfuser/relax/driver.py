@@ -43,20 +43,44 @@ def fuse_module(mod: IRModule, check_build: bool = True) -> tuple[IRModule, Fuse
         before, symbolic = len(entries), bool(symbolic_vars(func))
         why = _refusal(kind, target, symbolic)
         if symbolic and not why:  # shapes the export's bounds decide, made exact
-            func = mod[gv] = tightened(func)
+            func, why = _tightened(func)
+            mod[gv] = func
         options = (check_build, why, target.name if target else "")
         for index, block in enumerate(func.body.blocks):
-            if not isinstance(block, relax.DataflowBlock):
-                continue
-            if symbolic and not why:
-                mod, found = fuse_symbolic(mod, gv, func, index, function_name(gv),
-                                           (plan_block, _fresh), check_build, target.name)
-                entries += found
-            else:
-                mod = _fuse_block(mod, gv, func, index, options, entries)
+            if isinstance(block, relax.DataflowBlock):
+                mod = _fuse_any_block(mod, gv, func, index, options, symbolic and not why,
+                                      entries)
         if any(e.status == "fused" for e in entries[before:]):
             mod = _cleanup(mod, gv)
     return mod, FuseReport(tuple(entries))
+
+
+def _tightened(func) -> tuple:
+    """(``bounds.tightened(func)``, ""), or (``func``, why) when that fails: the function's
+    blocks are then reported skipped with the reason, never fused on untightened shapes."""
+    try:
+        return tightened(func), ""
+    except Exception as e:  # noqa: BLE001 - one function's failure must not stop the pass
+        return func, f"symbolic shapes not tightened: {type(e).__name__}: {e}"
+
+
+def _fuse_any_block(mod: IRModule, gv, func, index: int, options: tuple, symbolic: bool,
+                    entries: list):
+    """Fuse dataflow block ``index`` (through ``fuse_symbolic`` when its function has shape
+    variables); an unexpected failure anywhere in it leaves the block as it was and goes in
+    the report with its type and message (the pass never raises on a valid module)."""
+    found: list = []
+    try:
+        if symbolic:
+            check_build, _, target = options
+            new, found = fuse_symbolic(mod, gv, func, index, function_name(gv),
+                                       (plan_block, _fresh), check_build, target)
+        else:
+            new = _fuse_block(mod, gv, func, index, options, found)
+    except Exception as e:  # noqa: BLE001 - reported below, the block left unchanged
+        new, found = mod, [_not_analysed(gv, index, e)]
+    entries += found
+    return new
 
 
 def _refusal(kind: str | None, target, symbolic: bool) -> str:
@@ -75,14 +99,18 @@ def _fuse_block(mod: IRModule, gv, func, index: int, options: tuple, entries: li
     try:
         lifter, groups = plan_block(func, func.body.blocks[index])
     except Exception as e:  # noqa: BLE001 - an analysis failure leaves the block alone
-        entries.append(GroupReport(function_name(gv), (), False,
-                                   f"block {index} not analysed: {type(e).__name__}: {e}"))
+        entries.append(_not_analysed(gv, index, e))
         return mod
     entries += skipped_entries(function_name(gv), lifter, groups)
     for group in groups:
         mod, entry = apply_group(mod, gv, index, group, *options)
         entries.append(entry)
     return mod
+
+
+def _not_analysed(gv, index: int, error: Exception) -> GroupReport:
+    return GroupReport(function_name(gv), (), False,
+                       f"block {index} not analysed: {type(error).__name__}: {error}")
 
 
 def plan_block(func, block) -> tuple[Lifter, list[BindingGroup]]:

@@ -19,6 +19,17 @@ class Unliftable(Exception):
     """A Relax binding that has no spec form (the message says why)."""
 
 
+def dtype_refusal(dtype: str) -> str:
+    """Why a value of ``dtype`` (not float32) is not lifted.
+
+    Examples
+    --------
+    >>> dtype_refusal("bfloat16")
+    'tensors of dtype bfloat16: redfuser kernels compute float32 only for now'
+    """
+    return f"tensors of dtype {dtype}: redfuser kernels compute float32 only for now"
+
+
 @dataclass(frozen=True, eq=False)
 class Input:
     """One kernel input: a Relax expression read as a stream ``x[i]`` or a parameter ``x``.

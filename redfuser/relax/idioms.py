@@ -5,10 +5,13 @@ its *safe* softmax, which gives 0 instead of NaN in a row whose keys are all mas
 
     p = softmax(s);  flag = not(bool(max(int8(not(s == -inf)), -1)));  where(flag, 0, p)
 
-The flag says "every score of this row is -inf", which is exactly "the softmax's sum of
-exponentials is 0" under the kernels' select semantics (a masked slot adds nothing).  So
-the whole chain lifts as ``where(d > 0, p, 0)`` with ``d`` the softmax's own sum: one
-statement, no int8 reduction, and the P.V matmul after it fuses into the same kernel.
+The flag says "every score of this row is -inf" (a NaN score is not -inf: its row keeps
+``p``, NaN), which is exactly "the softmax's own max is -inf" (the max propagates NaN, and
+is +inf or finite as soon as one score is).  So the whole chain lifts as
+``where(m == -inf, 0, p)``: one statement, no int8 reduction, and the P.V matmul after it
+fuses into the same kernel.  It must not read the sum of exponentials instead
+(``where(d > 0, p, 0)``): ``d`` is NaN in a row with a +inf or NaN score, and that row
+would become 0 where torch gives NaN.
 """
 
 from __future__ import annotations
@@ -72,21 +75,21 @@ def zeros_like(values: dict, expr, of) -> bool:
                                                                      0.0)
 
 
-GUARD = "where({d} > 0, {p}, 0)"  # the safe softmax's statement
-_GUARD = re.compile(r"where\((\w+) > 0, (\w+), 0\)")
+GUARD = "where({m} == -inf, 0, {p})"  # the safe softmax's statement
+_GUARD = re.compile(r"where\((\w+) == -inf, 0, (\w+)\)")
 
 
 def guard_of(stmt) -> tuple[str, str] | None:
-    """(d, p) of a safe-softmax statement ``where(d > 0, p, 0)``; None for any other.  A
-    sum over the stream of its values is ``where(d > 0, sum(p ...), 0)``: the condition is
-    one per row, so it selects on the result (a condition on a running value inside a
-    sum would not be separable).
+    """(m, p) of a safe-softmax statement ``where(m == -inf, 0, p)``; None for any other.
+    A sum over the stream of its values is ``where(m == -inf, 0, sum(p ...))``: the
+    condition is one per row, so it selects on the result (a condition on a running value
+    inside a sum would not be separable).
 
     Examples
     --------
     >>> from redfuser.relax.frag import Stmt
-    >>> guard_of(Stmt(4, "t4", GUARD.format(d="t3", p="t2"), "let", frozenset(), "where"))
-    ('t3', 't2')
+    >>> guard_of(Stmt(4, "t4", GUARD.format(m="t1", p="t2"), "let", frozenset(), "where"))
+    ('t1', 't2')
     """
     match = _GUARD.fullmatch(stmt.text) if stmt is not None else None
     return (match[1], match[2]) if match else None
@@ -94,7 +97,7 @@ def guard_of(stmt) -> tuple[str, str] | None:
 
 def safe_softmax(lf: Lifting, call) -> Node | None:
     """where(row fully masked, 0, softmax(s)) as torch.export writes a safe softmax
-    (above): ``where(d > 0, p, 0)`` on the softmax's own sum ``d``."""
+    (above): ``where(m == -inf, 0, p)`` on the softmax's own max ``m``."""
     cond, zero, p = call.args
     found, node = fully_masked_flag(lf.values, cond), lf.nodes.get(p)
     softmax = lf.values.get(p)
@@ -102,12 +105,13 @@ def safe_softmax(lf: Lifting, call) -> Node | None:
             lf.values, zero, p) or getattr(getattr(softmax, "op", None), "name", "") != \
             "relax.nn.softmax" or not softmax.args[0].same_as(found[0]):
         return None
-    sums = sorted((s for s in node.frag.stmts.values()
-                   if s.op == f"softmax {p.name}" and s.kind == "red"), key=lambda s: s.seq)
-    node, d = lf.node(p), sums[-1]
+    reductions = sorted((s for s in node.frag.stmts.values()
+                         if s.op == f"softmax {p.name}" and s.kind == "red"),
+                        key=lambda s: s.seq)
+    node, m = lf.node(p), reductions[0]  # the softmax's steps: max first (ops.STATS)
     flag_max = tuple(f"max {v.name}" for v in found[1]
                      if _call(lf.values, v, "relax.max") is not None)
-    stmt = lf.stmt(GUARD.format(d=d.name, p=node.text), "let", node.deps | {d.name},
+    stmt = lf.stmt(GUARD.format(m=m.name, p=node.text), "let", node.deps | {m.name},
                    "relax.where", absorbed=flag_max)  # the report names the int8 max
     lf.quiet.update(found[1])  # the flag's chain (its int8 max) dies with the where
     if isinstance(zero, relax.Var):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..tvm_adapter import GenericConst, relax
-from .frag import Frag, Input, Stmt, Unliftable, fit, merge
+from .frag import Frag, Input, Stmt, Unliftable, dtype_refusal, fit, merge
 from .ops import OPS, SEEDS, unlifted_reason
 from .values import Ext, Node, Operand, literal, pad_shape, static_shape
 
@@ -56,8 +56,8 @@ class Lifter:
                 if op in SEEDS:
                     self.failures[b.var] = (_short(op), str(e))
             except Exception as e:  # noqa: BLE001 - an op form the table does not expect
-                if op in SEEDS:
-                    self.failures[b.var] = (_short(op), f"{type(e).__name__}: {e}")
+                # never silent: the binding stays in Relax and the report says why
+                self.failures[b.var] = (_short(op), f"lifting failed: {type(e).__name__}: {e}")
         for var in self.quiet:
             self.failures.pop(var, None)
         return self
@@ -69,7 +69,10 @@ class Lifter:
                     f"{_short(op)} {self.current.name}", absorbed)
 
     def input(self, ext: Ext, kind: str, vector: bool, rows: tuple, frame, n, d=None):
-        """Register a kernel input; returns (spec reference, fragment holding it)."""
+        """Register a kernel input; returns (spec reference, fragment holding it).  Every
+        tensor a kernel reads comes through here, so this is where a cascade on tensors
+        other than float32 is refused, before anything is derived or built."""
+        _float32(ext)
         inp = Input(ext.source, kind, vector, tuple(rows), ext.prep)
         name = next((name for known, name in self._inputs
                      if known.source.same_as(inp.source) and known.prep == inp.prep
@@ -200,7 +203,7 @@ class Lifter:
             return Operand(node.text, node.deps, node.frag)
         if node is not None or self.scalar(expr) is not None:
             return self.row(expr, out[:-1] + (1,), True)
-        ext = _float32(self.ext(expr))
+        ext = self.ext(expr)
         rows = pad_shape(ext.shape, len(out), out)
         vector = rows[-1] > 1
         ref, frag = self.input(ext, "param", vector, rows[:-1], out[:-1], 0,
@@ -208,7 +211,7 @@ class Lifter:
         return Operand(ref, frozenset(), frag)
 
     def _external(self, ext: Ext, out: tuple) -> Operand:
-        shape = pad_shape(_float32(ext).shape, len(out), out)
+        shape = pad_shape(ext.shape, len(out), out)
         if shape[-1] == out[-1] and out[-1] > 1:
             ref, frag = self.input(ext, "stream", False, shape[:-1], out[:-1], out[-1])
         elif shape[-1] == 1:
@@ -242,10 +245,11 @@ def _depends(expr, var, parents: dict) -> bool:
     return False
 
 
-def _float32(ext: Ext) -> Ext:
+def _float32(ext: Ext) -> None:
+    """Refuse an input that is not float32 (``Ext.dtype`` is the dtype after its prep: a
+    boolean condition cast to float32 is float32)."""
     if ext.dtype != "float32":
-        raise Unliftable(f"input of dtype {ext.dtype} (the kernels compute in float32)")
-    return ext
+        raise Unliftable(dtype_refusal(ext.dtype))
 
 
 def _same_shape(a, b) -> bool:

@@ -13,7 +13,7 @@ from string import Formatter
 
 from .attention import attention
 from .axes import VIEWS, View, axes_view, read_data, read_weight, weight_shape
-from .frag import Unliftable, fit, merge
+from .frag import Unliftable, dtype_refusal, fit, merge
 from .idioms import safe_softmax
 from .products import matmul
 from .values import MAX_TERMS, Ext, Lifting, Node, Operand, literal, static_shape
@@ -155,7 +155,7 @@ def _context(lf: Lifting, args, out: tuple) -> str:
 def elementwise(lf: Lifting, call, ty) -> Node:
     op, out = call.op.name, static_shape(ty)
     if str(ty.dtype) != "float32":
-        raise Unliftable(f"dtype {ty.dtype}")
+        raise Unliftable(dtype_refusal(str(ty.dtype)))
     template = UNARY.get(op) or BINARY[op]
     if not any(a in lf.nodes for a in call.args) and \
             any(lf.producer(a) == "relax.matmul" for a in call.args):

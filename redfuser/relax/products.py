@@ -59,7 +59,7 @@ def _contract(lf: Lifting, a, b, sb: tuple, out: tuple) -> Node:
     stmt = lf.stmt(text, "red", frozenset().union(*(d for _, d in terms)), "relax.matmul")
     frag = frag.with_stmt(stmt)
     if guard:  # a safe softmax's rows with no visible key give 0
-        stmt = lf.stmt(GUARD.format(d=guard[0], p=stmt.name), "epi",
+        stmt = lf.stmt(GUARD.format(m=guard[0], p=stmt.name), "epi",
                        {guard[0], stmt.name}, "relax.matmul",
                        absorbed=(guarded.op, *guarded.absorbed))  # the where it moved
         frag = frag.with_stmt(stmt)

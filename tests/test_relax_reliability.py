@@ -1,0 +1,182 @@
+"""FuseCascadedReductions never changes what a model computes, and never raises on a valid
+module: masked softmax rows that are NaN in PyTorch stay NaN (repro
+r2_relax_fully_masked_softmax.py, and torch.export's safe softmax on rows with a NaN or
++inf score), low-precision cascades are left as they are with the reason, and an
+unexpected failure while lifting one candidate is reported, not raised.
+
+References are PyTorch's own outputs (eager), never the code under test.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from redfuser.relax import build, driver, fuse_module, ops, run
+from redfuser.tvm_adapter import import_torch
+
+LOW = "redfuser kernels compute float32 only for now"
+
+
+def _outputs(mod, args, fuse: bool):
+    executable, report = build(mod, fuse=fuse)
+    out = run(executable, *[a.numpy() for a in args])
+    return np.asarray(out[0] if isinstance(out, list) else out), report
+
+
+def _torch(model, args) -> np.ndarray:
+    with torch.no_grad():
+        out = model(*args)
+    return (out[0] if isinstance(out, tuple) else out).float().numpy()
+
+
+class MaskedSoftmax(nn.Module):
+    def forward(self, x, mask):
+        return F.softmax(x.masked_fill(~mask, float("-inf")), -1)
+
+
+class MaskedAttention(nn.Module):
+    def forward(self, q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_masked_softmax_keeps_pytorch_nan_rows():
+    """A fully masked row is NaN in PyTorch (softmax of all -inf), and so is a row of +inf
+    scores; the fused build gave 0 there (the engine reads exp(-inf - m) as 0 even where
+    m = -inf).  Whether the pass fuses it or not, the output is PyTorch's."""
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[0] = False
+    x[2, :], mask[2, 0] = float("inf"), False
+    expected = _torch(MaskedSoftmax(), (x, mask))
+    got, _ = _outputs(import_torch(MaskedSoftmax().eval(), (x, mask)), (x, mask), True)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_allclose(got[1], expected[1], rtol=2e-5, atol=2e-5)
+
+
+def test_safe_softmax_rows_with_nan_or_inf_scores_stay_nan():
+    """torch.export's safe softmax gives 0 only where every score is -inf; a row with a
+    NaN or +inf score is NaN.  The pass lifted the flag as "sum of exponentials > 0",
+    which is false for those rows too, and wrote 0."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=g) for n in (4, 6, 6))
+    mask = torch.ones(1, 1, 4, 6, dtype=torch.bool)
+    mask[0, 0, 0] = False  # row 0: no visible key (0 in PyTorch)
+    q[0, 0, 1, 0] = float("nan")  # row 1: NaN scores
+    q[0, 0, 2], k[0, 0] = float("inf"), 1.0  # row 2: +inf scores
+    args = (q, k, v, mask)
+    expected = _torch(MaskedAttention(), args)
+    got, report = _outputs(import_torch(MaskedAttention().eval(), args), args, True)
+    assert report.fused == 1, str(report)
+    assert np.isnan(expected[0, 0, 1:3]).all() and (expected[0, 0, 0] == 0).all()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(expected), atol=2e-5)
+
+
+class LowPrecision(nn.Module):
+    """An RMS norm and a Linear in ``dtype`` (float32 at the boundary, so it runs on numpy
+    arrays), then a softmax."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        self.fc = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        h = x.to(self.dtype)
+        h = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-5)
+        return torch.softmax(self.fc(h), -1).float()
+
+
+class LowPrecisionScores(nn.Module):
+    """Attention scores of ``dtype`` queries and keys (TVM's import makes the products
+    float32), softmax, values."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, q, k, v):
+        q, k, v = (t.to(self.dtype) for t in (q, k, v))
+        return (torch.softmax(q @ k.transpose(-2, -1) / 4.0, -1) @ v).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_inputs_are_refused_before_the_kernel_is_built(dtype):
+    """The kernel read the queries and keys as float32: its call failed TVM's type check
+    ("Argument 0 type mismatch") after derivation and build.  They stay in Relax now; the
+    float32 softmax and value product after them are one kernel, the output unchanged."""
+    g = torch.Generator().manual_seed(4)
+    args = tuple(torch.randn(1, 2, 6, 16, generator=g) for _ in range(3))
+    model = LowPrecisionScores(dtype).eval()
+    mod = import_torch(model, args)
+    fused, report = _outputs(mod, args, True)
+    unfused, _ = _outputs(mod, args, False)
+    assert report.fused == 1 and not any("mismatch" in why for why in report.reasons())
+    np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fused, _torch(model, args), atol=5e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_cascades_are_left_unchanged_with_the_reason(dtype):
+    torch.manual_seed(2)
+    model = LowPrecision(dtype).eval().to(dtype)
+    args = (torch.randn(2, 4, 16),)
+    mod = import_torch(model, args)
+    fused, report = _outputs(mod, args, True)
+    unfused, _ = _outputs(mod, args, False)
+    name = str(dtype).removeprefix("torch.")
+    assert any(f"tensors of dtype {name}: {LOW}" in why for why in report.reasons()), \
+        str(report)
+    np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fused, _torch(model, args), atol=2e-2)
+
+
+class NormThenSoftmax(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+
+    def forward(self, x, y):
+        return self.ln(x), torch.softmax(y * 2.0, -1)
+
+
+def test_an_unexpected_error_lifting_one_candidate_is_reported_not_raised(monkeypatch):
+    """The multiply's handler fails (an error no handler expects; it used to vanish when
+    the op was not a reduction): the multiply stays in Relax with the error's type and
+    message in the report, and both cascades are still fused."""
+    def broken(lf, call, ty):
+        raise RuntimeError("a handler bug")
+
+    monkeypatch.setitem(ops.OPS, "relax.multiply", broken)
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g))
+    model = NormThenSoftmax().eval()
+    mod = import_torch(model, args)
+    executable, report = build(mod, fuse=True)
+    assert report.fused == 2, str(report)
+    assert any("RuntimeError: a handler bug" in why for why in report.reasons()), str(report)
+    with torch.no_grad():
+        expected = [o.numpy() for o in model(*args)]
+    for got, want in zip(run(executable, *[a.numpy() for a in args]), expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_an_unexpected_error_in_a_block_leaves_it_unchanged(monkeypatch, symbolic):
+    """A failure outside any one binding (here the grouping of a block) leaves that block
+    as it was and names the error; the pass returns (with symbolic shapes it raised)."""
+    def broken(lifter):
+        raise KeyError("grouping bug")
+
+    monkeypatch.setattr(driver, "form_groups", broken)
+    args = (torch.randn(4, 16), torch.randn(4, 16))
+    rows = torch.export.Dim("rows", min=2, max=64)
+    shapes = ({0: rows}, {0: rows}) if symbolic else None
+    mod = import_torch(NormThenSoftmax().eval(), args, dynamic_shapes=shapes)
+    fused, report = fuse_module(mod)
+    assert report.fused == 0 and "block 0 not analysed: KeyError" in report.reasons()[0]
+    assert fused.script() == mod.script()
