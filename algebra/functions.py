@@ -24,6 +24,8 @@ class _Named(sp.Function):
     """Prints as the spec spells it (sigmoid(x), max(a, b)), so rules read like specs."""
 
     spec_name = ""
+    is_commutative = True  # scalars (sympy leaves it open for a condition argument, and
+    # simplify then takes the non-commutative path, which recurses without end on a select)
 
     def _sympystr(self, printer):
         return "{}({})".format(self.spec_name, ", ".join(printer._print(a) for a in self.args))

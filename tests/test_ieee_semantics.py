@@ -167,3 +167,11 @@ def test_an_as_written_masked_softmax_is_nan_on_a_fully_masked_row_like_torch():
     for out in (redfuser.compile(spec)(x=x, mask=mask), redfuser.reference(spec,
                                                                            dict(x=x, mask=mask))):
         np.testing.assert_allclose(out["y"], want, rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+def test_a_rule_with_a_select_of_an_as_written_value_prints():
+    """str(rule) simplified a select over as_written(-oo) on sympy's non-commutative path,
+    which recursed without end (a select's commutativity was left open)."""
+    spec = "s = where(c[i] > 0.5, -inf, x[i]); m = max(s); d = sum(exp(s - m)); " \
+           "y[i] = exp(s - m) / d"
+    assert "as_written(-oo)" in str(redfuser.derive(spec))
