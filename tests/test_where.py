@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import redfuser
-from algebra.functions import Where
+from algebra.functions import AsWritten, IsNaN, Where
 from algebra.selects import lift
 from algebra.spec import parse
 
@@ -41,8 +41,11 @@ JUNK = (-np.inf, np.inf, np.nan)  # what masked slots hold: none of it may leak
 
 MASKED_SOFTMAX = ("s = where(keep[i] > 0, x[i], -inf)\nm = max(s)\nd = sum(exp(s - m))\n"
                   "y[i] = where(keep[i] > 0, exp(x[i] - m) / d, 0)")
-SAFE_MEAN = ("s = where(keep[i] > 0, x[i], -inf)\nm = max(s)\nd = sum(exp(s - m))\n"
-             "o = where(d > 0, sum(exp(s - m) * x[i]) / d, 0)")
+# masked elements contribute nothing whatever their values: the selects hold whole terms
+# (exp(s - m) * x at a masked element would be 0 * x, NaN for junk x, as numpy computes it)
+SAFE_MEAN = ("s = where(keep[i] > 0, x[i], -inf)\nm = max(s)\n"
+             "d = sum(where(keep[i] > 0, exp(s - m), 0))\n"
+             "o = where(d > 0, sum(where(keep[i] > 0, exp(s - m) * x[i], 0)) / d, 0)")
 MASKED_VARIANCE = ("c = sum(where(keep[i] > 0, 1, 0))\n"
                    "mean = sum(where(keep[i] > 0, x[i], 0)) / c\n"
                    "var = sum(where(keep[i] > 0, (x[i] - mean)**2, 0)) / c")
@@ -59,8 +62,8 @@ PADDED_ATTENTION = ("s = where(valid[i] > 0, dot(q, k[i, :]) * scale, -inf)\nm =
     ("m = sum((x[i] > 0) + 1)", 1, 10, "write where(x[i] > 0, 1, 0)"),
     ("m = sum(where(x[i], 1, 0))", 1, 15, "where() needs a condition"),
     ("m = sum(x[i])\ny[i] = x[i] > m", 2, 8, "'y' is a condition"),
-    ("m = sum(where(x[i] > 0 & x[i] < 1, 1, 0))", 1, 22, "join conditions with 'and'"),
-    ("m = sum(where(~(x[i] > 0), 1, 0))", 1, 15, "negate a condition with 'not'"),
+    ("m = sum(where(x[i] > 0 & x[i] < 1, 1, 0))", 1, 22, "binds tighter than a comparison"),
+    ("m = sum(where(~x[i] > 0, 1, 0))", 1, 16, "needs a condition"),
     ("m = sum(where(not x[i], 1, 0))", 1, 19, "'not' needs a condition"),
     ("m = sum(where(x[i] is 0, 1, 0))", 1, 15, "cannot compare"),
     ("m = sum(where(x[i] > 0, 1))", 1, 9, "where() takes 3 argument(s)"),
@@ -79,15 +82,20 @@ def test_chained_comparisons_and_connectives():
     c = parse("mask = 0 <= x[i] < 1 and not i > pos or x[i] == 2\nm = sum(where(mask, x[i], 0))")
     x, i, pos = (sp.Symbol("x", real=True), sp.Symbol("i", nonnegative=True, integer=True),
                  sp.Symbol("pos", real=True))
-    cond = (sp.Le(0, x) & (x < 1) & ~(i > pos)) | sp.Eq(x, 2)
+    cond = (sp.Le(0, x) & (x < 1) & (~(i > pos) | IsNaN(pos))) | sp.Eq(x, 2)  # IEEE's not
     assert c.reductions[0].body == Where(cond, x, 0)
 
 
 def test_selects_are_lifted_and_never_turned_into_arithmetic():
-    """exp(where(c, s, -inf) - m) = where(c, exp(s - m), 0): the select law, not c*a + (1-c)*b."""
+    """exp(where(c, s - m, -inf)) * v = where(c, exp(s - m) * v, 0 * v): the select law, not
+    c*a + (1-c)*b; the 0 * v stays as written (NaN where v is inf or NaN), and so does the
+    -inf that would absorb m (exp(-inf - m) is NaN at m = -inf)."""
     s, m, v = sp.symbols("s m v", real=True)
     c = s > 0
-    assert lift(sp.exp(Where(c, s, -sp.oo) - m) * v) == Where(c, v * sp.exp(s - m), 0)
+    assert lift(sp.exp(Where(c, s - m, -sp.oo)) * v) == Where(c, v * sp.exp(s - m),
+                                                               v * AsWritten(0))
+    assert lift(sp.exp(Where(c, s, -sp.oo) - m)) == Where(c, sp.exp(s - m),
+                                                           sp.exp(AsWritten(-sp.oo) - m))
     assert sp.simplify(Where(c, s, -sp.oo)).has(Where)  # sympy leaves the select alone
     rule = redfuser.derive("causal_attention")
     assert all(rule.status) and rule.verify()

@@ -76,9 +76,9 @@ def idle_cpu_ms(kernel, repeat: int) -> list[float]:
 
 def measure(repeat: int = 30) -> dict[str, list[float]]:
     """One process's samples (run in a fresh process: the TVM pool must not exist yet)."""
-    import torch
+    import torch  # here, in the measuring process: the parent never loads torch or TVM
 
-    import redfuser
+    import redfuser  # likewise: the pool must start in this process, not the parent
 
     torch.set_num_threads(os.cpu_count() or 1)
     copy = copy_call(torch)
