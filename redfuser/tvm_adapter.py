@@ -23,12 +23,12 @@ os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 # After every parallel kernel TVM's idle pool workers busy-wait for the next one (a
 # sched_yield loop, 300000 turns by default: ~150 ms of a core after each kernel here),
 # taking the cores from torch's threads in the same process: a torch copy_ of 4096 x 4096
-# float32 took 7.9 ms instead of 3.9 ms right after our kernels on 2 cores.  Sleeping
-# workers cost a parallel kernel a wake-up of ~10 us, seen only on small kernels called
-# back to back (softmax 64 x 4096: 0.062 ms instead of 0.051; 4096 x 4096 and 1 x 256: no
-# change; python -m redfuser.tools.neighbour).  The pool reads this when it starts (the
-# first parallel kernel); a user's value is kept.
-THREAD_POOL_SPIN_COUNT = "0"
+# float32 took 7.9 ms instead of 3.9 ms right after our kernels on 2 cores.  3000 turns
+# spin ~1 ms (0.7-1.3 ms of CPU after a kernel) and keep back-to-back small kernels as fast
+# as TVM's default (softmax 64 x 4096: 0.052-0.055 ms against 0.050-0.053); 0 (sleeping
+# workers) costs them a ~10 us wake-up (0.064-0.077 ms); python -m redfuser.tools.neighbour.
+# The pool reads this when it starts (the first parallel kernel); a user's value is kept.
+THREAD_POOL_SPIN_COUNT = "3000"
 os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", THREAD_POOL_SPIN_COUNT)
 
 import tvm  # noqa: E402
