@@ -17,7 +17,7 @@ import numpy as np
 import sympy as sp
 from sympy.codegen.cfunctions import expm1, log1p
 from sympy.core.logic import fuzzy_and
-from sympy.logic.boolalg import Boolean, BooleanFunction
+from sympy.logic.boolalg import Boolean, BooleanAtom, BooleanFunction
 
 
 class _Named(sp.Function):
@@ -416,6 +416,42 @@ def occurrences(e: sp.Basic) -> int:
     if e.is_Pow and e.exp.is_Integer:
         return abs(int(e.exp)) * occurrences(e.base)
     return sum(occurrences(a) for a in e.args)
+
+
+def as_written(op, *args) -> sp.Basic:
+    """``op(*args)`` as IEEE arithmetic computes it.  sympy simplifies while it builds, as
+    over the real numbers; wherever that drops an occurrence of a value (``x - x`` is 0,
+    ``x/x`` 1, ``x*0`` 0, ``-oo - m`` -oo), leaves an undefined value (``s/0`` is zoo) or
+    decides a comparison (``x == x``, ``exp(x) > 0``), the operation is rebuilt with one
+    operand ``AsWritten`` (a number if there is one: sympy folds ``0*f`` whatever ``f`` is),
+    which sympy cannot cancel or decide, so the kernels and the oracle compute what was
+    written (inf - inf is NaN; NaN == NaN is false; s/0 is +-inf).
+
+    Examples
+    --------
+    >>> x = sp.Symbol("x", real=True)
+    >>> as_written(lambda p, q: p - q, x, x), as_written(sp.Mul, x, 0), as_written(sp.Eq, x, x)
+    (x - as_written(x), x*as_written(0), Eq(x, as_written(x)))
+    >>> as_written(sp.Add, x, 1), as_written(sp.Mul, x, x), as_written(sp.Pow, 0, -1) * x
+    (x + 1, x**2, x/as_written(0))
+    """
+    args = [sp.sympify(a) for a in args]
+    value = op(*args)
+    if not _folded(value, args):
+        return value
+    numbers = [k for k, a in enumerate(args) if a.is_number]
+    for k in numbers or [len(args) - 1]:
+        wrapped = op(*args[:k], AsWritten(args[k]), *args[k + 1:])
+        if not _folded(wrapped, args):
+            return wrapped
+    return value
+
+
+def _folded(value: sp.Basic, args: list) -> bool:
+    if isinstance(value, BooleanAtom):
+        return any(a.free_symbols for a in args)
+    return value.has(sp.zoo, sp.nan) or \
+        occurrences(value) < sum(occurrences(a) for a in args)
 
 
 def never_nan(e: sp.Basic) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import sympy as sp
 from sympy.logic.boolalg import Boolean
 
-from .functions import FLOAT_CLASSES, AsWritten, Dot, IsNaN, Where, ieee_not, occurrences
+from .functions import FLOAT_CLASSES, Dot, IsNaN, Where, as_written, ieee_not
 
 MAX_CONDITIONS = 6  # distinct conditions in one expression: 2**6 cases at most to prove
 
@@ -53,43 +53,12 @@ def lift(e: sp.Basic) -> sp.Basic:
     for k, a in enumerate(args):
         if isinstance(a, Where):
             c, x, y = a.args
-            taken, other = (ieee_apply(e.func, [*args[:k], v, *args[k + 1:]]) for v in (x, y))
+            taken, other = (as_written(e.func, *args[:k], v, *args[k + 1:]) for v in (x, y))
             taken, other = lift(taken.xreplace({c: sp.true})), lift(other.xreplace({c: sp.false}))
             if isinstance(e, Boolean):  # a condition built on a select: plain logic
                 return sp.Or(sp.And(c, taken), sp.And(ieee_not(c), other))
             return Where(c, taken, other)
     return e.func(*args)
-
-
-def ieee_apply(func, args: list) -> sp.Basic:
-    """``func(*args)``, where a branch moved in by lifting makes sympy's value undefined
-    (``s / where(n > 1, n - 1, 0)``: ``s/0`` is ``zoo*s``) rebuilt with the offending number
-    as written, so it keeps IEEE's value (s/0 is +-inf, 0/0 NaN) in every evaluator.
-
-    Examples
-    --------
-    >>> s = sp.Symbol("s", real=True)
-    >>> ieee_apply(sp.Pow, [sp.S.Zero, -1]) * s
-    s/as_written(0)
-    """
-    value = func(*args)
-    if not _folded(value, args):
-        return value
-    for k, a in enumerate(args):
-        if a.is_number:
-            wrapped = func(*args[:k], AsWritten(a), *args[k + 1:])
-            if not _folded(wrapped, args):
-                return wrapped
-    return value
-
-
-def _folded(value: sp.Basic, args: list) -> bool:
-    """sympy's value lost what IEEE arithmetic would compute: undefined (``s/0``), or an
-    operand absorbed by a branch's number (``-oo - m`` is ``-oo``, but NaN at ``m = -oo``;
-    ``0 / mass`` is 0, but NaN at ``mass = 0``)."""
-    if value.has(sp.zoo, sp.nan):
-        return True
-    return occurrences(value) < sum(occurrences(sp.sympify(a)) for a in args)
 
 
 def conditions(e: sp.Basic) -> list[Boolean]:

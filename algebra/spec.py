@@ -14,7 +14,6 @@ import difflib
 from dataclasses import dataclass
 
 import sympy as sp
-from sympy.logic.boolalg import BooleanAtom
 
 from .cascade import (
     INDEX,
@@ -34,8 +33,8 @@ from .functions import (
     FUNCTIONS,
     AsWritten,
     Dot,
+    as_written,
     ieee_not,
-    occurrences,
 )
 from .laws import LAWS
 from .limits import (
@@ -265,7 +264,7 @@ class _Lifter:
         for op, a, b in zip(node.ops, sides, sides[1:], strict=False):
             shape = shape.join(b.shape, node)
             try:
-                parts.append(_as_written(COMPARISONS[type(op).__name__], a.expr, b.expr))
+                parts.append(as_written(COMPARISONS[type(op).__name__], a.expr, b.expr))
             except (KeyError, TypeError):  # 'is', 'in'; or a comparison sympy finds undefined
                 _fail(node, f"cannot compare in {ast.unparse(node)!r}: use < <= > >= == != "
                             "between real numbers")
@@ -293,7 +292,7 @@ class _Lifter:
             self._check_power(node, a.expr, b.expr)
         if isinstance(node.op, ast.Div) and b.expr.is_zero:  # a typo, surely: say so
             _fail(node, f"'{ast.unparse(node)}' is undefined (division by the constant 0)")
-        value = _as_written(fn, a.expr, b.expr)
+        value = as_written(fn, a.expr, b.expr)
         if _undefined(value):
             _fail(node, f"'{ast.unparse(node)}' is undefined (a complex value)")
         return _Val(value, a.shape.join(b.shape, node), a.reduces or b.reduces)
@@ -428,37 +427,6 @@ class _Lifter:
 
     def _hidden_name(self, op: str) -> str:
         return fresh(f"{self.target}_{op}", self.names)
-
-
-def _as_written(op, a: sp.Basic, b: sp.Basic) -> sp.Basic:
-    """``op(a, b)`` as IEEE arithmetic computes it.  sympy simplifies while it builds, as
-    over the real numbers; wherever that drops an occurrence of a value (``x - x`` is 0,
-    ``x/x`` 1, ``x*0`` 0, ``x/0`` zoo) or decides a comparison (``x == x``, ``exp(x) > 0``),
-    the operation is rebuilt with one operand ``AsWritten`` (a number if there is one: sympy
-    folds ``0*f`` whatever ``f`` is), which sympy cannot cancel or decide, so the kernels
-    and the oracle compute what was written (inf - inf is NaN; NaN == NaN is false).
-
-    Examples
-    --------
-    >>> x = sp.Symbol("x", real=True)
-    >>> _as_written(lambda p, q: p - q, x, x), _as_written(sp.Mul, x, 0), _as_written(sp.Eq, x, x)
-    (x - as_written(x), x*as_written(0), Eq(x, as_written(x)))
-    >>> _as_written(sp.Add, x, 1), _as_written(sp.Mul, x, x)
-    (x + 1, x**2)
-    """
-    a, b = sp.sympify(a), sp.sympify(b)
-    value = op(a, b)
-    spoken = a.free_symbols | b.free_symbols
-    if isinstance(value, BooleanAtom):
-        folded = bool(spoken)
-    else:
-        folded = occurrences(value) < occurrences(a) + occurrences(b) or \
-            value.has(sp.zoo, sp.nan)
-    if not folded:
-        return value
-    if b.is_number or not a.is_number:
-        return op(a, AsWritten(b))
-    return op(AsWritten(a), b)
 
 
 def _folded_call(fn, value: sp.Basic, args: list) -> bool:
