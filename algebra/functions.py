@@ -441,10 +441,19 @@ def as_written(op, *args) -> sp.Basic:
         return value
     numbers = [k for k, a in enumerate(args) if a.is_number]
     for k in numbers or [len(args) - 1]:
-        wrapped = op(*args[:k], AsWritten(args[k]), *args[k + 1:])
+        wrapped = op(*args[:k], _opaque(args[k]), *args[k + 1:])
         if not _folded(wrapped, args):
             return wrapped
     return value
+
+
+def _opaque(a: sp.Basic) -> sp.Basic:
+    """``a`` as written; a reciprocal keeps its power outside (s / as_written(s), not
+    s * as_written(1/s)), so that the kernels still divide instead of multiplying by a
+    rounded reciprocal."""
+    if a.is_Pow and a.exp.is_negative:
+        return sp.Pow(AsWritten(a.base), a.exp)
+    return AsWritten(a)
 
 
 def _folded(value: sp.Basic, args: list) -> bool:
