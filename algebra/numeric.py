@@ -55,20 +55,37 @@ def compile_expr(expr: sp.Expr) -> Compiled:
 PER_ROW: ContextVar[frozenset[str]] = ContextVar("per_row_inputs", default=frozenset())
 
 
+def summands(terms, per_row: frozenset[str]) -> list:
+    """The terms of a sum in the order the kernels and ``evaluate`` add them: those that
+    vary along the row or are earlier results first, then those of per-row inputs only
+    (``per_row``: parameters, N), then numbers.  sympy's order is alphabetical (``x - m + t``
+    is ``-m + t + x``); adding ``t - m`` first loses a small t next to a huge m, where the
+    spec's ``(x - m) + t`` is exact.
+
+    Examples
+    --------
+    >>> x, m, t = sp.symbols("x m t", real=True)
+    >>> summands((x - m + t + 1).args, frozenset({"t"}))
+    [x, -m, t, 1]
+    """
+    def rank(a):
+        if a.is_number:
+            return 2
+        return 1 if {str(s) for s in a.free_symbols} <= per_row else 0
+    return sorted(terms, key=rank)  # stable: sympy's order within a rank
+
+
 def _compile_add(expr: sp.Add) -> Compiled:
-    """A sum in the order the kernels add it (``redfuser.lowering.texpr``): terms that vary
-    along the row or are earlier results first, then those of per-row inputs only
-    (``PER_ROW``, set by the caller that knows them), then numbers.  sympy's order is
-    alphabetical (``x - m + t`` is ``-m + t + x``); adding ``t - m`` first loses a small t
-    next to a huge m, where the spec's ``(x - m) + t`` is exact."""
-    parts = [(compile_expr(a), 2 if a.is_number else None,
-              frozenset(str(s) for s in a.free_symbols)) for a in expr.args]
+    """A sum in ``summands`` order, for the per-row inputs the caller set (``PER_ROW``)."""
+    parts = dict(zip(expr.args, (compile_expr(a) for a in expr.args), strict=True))
+    orders: dict[frozenset[str], list] = {}  # one order per rule run: sorted once
 
     def run(env, dt):
         per_row = PER_ROW.get()
-        ranked = sorted(parts, key=lambda p: p[1] if p[1] is not None else
-                        int(bool(per_row) and p[2] <= per_row))
-        return reduce(np.add, (p(env, dt) for p, _, _ in ranked))
+        order = orders.get(per_row)
+        if order is None:
+            order = orders[per_row] = [parts[a] for a in summands(expr.args, per_row)]
+        return reduce(np.add, (p(env, dt) for p in order))
 
     return run
 

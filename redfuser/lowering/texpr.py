@@ -14,7 +14,7 @@ import numpy as np
 import sympy as sp
 
 from algebra.functions import Dot
-from algebra.numeric import mul_terms
+from algebra.numeric import mul_terms, summands
 
 from ..tvm_adapter import LEAVES, tirx
 from . import fastmath  # vectorizable polynomial versions (TVM's exp is a scalar call)
@@ -219,7 +219,7 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
         if e.is_Mul:
             return _mul(e, go, dtype, invariant)
         if e.is_Add:
-            terms = [go(a) for a in _summands(e, invariant)]
+            terms = [go(a) for a in summands(e.args, invariant)]
             out = terms[0]
             for t in terms[1:]:
                 out = out + t
@@ -263,18 +263,6 @@ def _mul(e: sp.Mul, go, dtype: str, invariant: frozenset[str]):
     for b in divisors:
         out = divide(out, b)
     return out
-
-
-def _summands(e: sp.Add, invariant: frozenset[str]) -> list[sp.Expr]:
-    """The terms of a sum in the order they are added: those that vary along the row or
-    are earlier results first, then the ones of per-row inputs only, then numbers.  sympy
-    keeps no order of its own (``x - m + t`` is ``-m + t + x``), and adding ``t - m`` first
-    loses a small ``t`` next to a huge ``m``, where the spec's ``(x - m) + t`` is exact."""
-    def rank(a):
-        if a.is_number:
-            return 2
-        return 1 if {str(s) for s in a.free_symbols} <= invariant else 0
-    return sorted(e.args, key=rank)  # stable: sympy's order within a rank
 
 
 def _numbers_first(args: list[sp.Expr]) -> list[sp.Expr]:
