@@ -12,7 +12,7 @@ The stages, in the order they run:
    (``lowering.backends`` -> ``lowering.cpu.plan`` / ``lowering.cuda.plan``).
 4. ``lowering.build_primfunc``: the target's loop nest of the plan's variant, its
    statements emitted by ``lowering.emitter`` -> a TIR PrimFunc.
-5. ``runtime.build``: TVM compiles it (``tvm_adapter``, the only module importing TVM);
+5. ``runtime.build``: TVM compiles it (``redfuser.tvm``, the only package importing TVM);
    the kernel runs on the caller's arrays.
 
 ``tensorir`` and ``relax`` find cascades in TVM programs and fuse them through the same

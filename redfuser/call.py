@@ -35,7 +35,8 @@ from algebra.stages import StagedLowering
 from .lowering import FUNC_NAME, Geometry, signature
 from .lowering.signature import call_shapes
 from .runtime import Built
-from .tvm_adapter import ALIGNMENT, aligned_arg, from_dlpack, kernel_arg
+from .tvm.ir import ALIGNMENT
+from .tvm.runtime import aligned_arg, from_dlpack, kernel_arg
 
 F32 = np.dtype(np.float32)
 
@@ -232,7 +233,7 @@ def input_arrays(plan: CallPlan, inputs: dict, layout: Layout | None) -> list:
     views ``algebra.layout`` made (converted to float32 there).  The FFI takes numpy arrays
     and torch tensors as they are (DLPack in C); TVM never checks the alignment a kernel
     was compiled for, so a tensor goes over as it is only where its address is known to be
-    aligned, and through ``tvm_adapter.from_dlpack`` (the check, or an aligned copy)
+    aligned, and through ``redfuser.tvm.runtime.from_dlpack`` (the check, or an aligned copy)
     otherwise (torch: 1.1 us against 3.8 us a call).  An array already of the kernel's view
     (the key says so) is handed over without a reshape (0.15 us; torch's: 2 us)."""
     out = []

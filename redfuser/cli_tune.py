@@ -131,7 +131,7 @@ def _spec(args: argparse.Namespace):
 
 def _load_model(name_or_file: str):
     """The Relax module of a saved file, else of the example model of that name."""
-    from .tvm_adapter import import_torch, load_ir_module  # lazily (module doc)
+    from .tvm.graph import import_torch, load_ir_module  # lazily (module doc)
 
     if os.path.exists(name_or_file):
         return load_ir_module(name_or_file)
@@ -146,7 +146,7 @@ def _load_model(name_or_file: str):
 
 def _pool(args: argparse.Namespace, tvm_target: dict | None):
     from .tune.pool import MEASURE_TIMEOUT_S, DevicePool  # lazily (module doc)
-    from .tvm_adapter import cuda_target  # lazily (module doc)
+    from .tvm.target import cuda_target  # lazily (module doc)
 
     if tvm_target is None and args.target == "cuda":
         tvm_target = cuda_target()  # a GPU cannot be asked its architecture over RPC

@@ -47,7 +47,8 @@ from .lowering.plan import check_variant
 from .runtime import Built, allocate_outputs, build, random_inputs, time_built
 from .runtime import input_tensors as layout_tensors
 from .tune.search import model_plan, tuned_plan
-from .tvm_adapter import cuda_source, from_numpy, host_source
+from .tvm.cuda import cuda_source
+from .tvm.runtime import from_numpy, host_source
 
 TUNE_MODES = (None, True, False, "model")
 # Executables a Kernel keeps (least recently used evicted): each holds ~1.6 MB of JIT code

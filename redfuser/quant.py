@@ -31,17 +31,8 @@ from algebra.functions import bounds
 from .lowering.cpu.int8 import DotIsa, check_k, isa_for, scratch_shapes, weight_shapes
 from .lowering.cpu.int8 import pack_weights as pack_weights_func
 from .lowering.cpu.int8 import quant_gemm as quant_gemm_func
-from .tvm_adapter import (
-    build,
-    cpu_has,
-    device,
-    empty_aligned,
-    from_numpy,
-    host_grants_amx,
-    host_int8_target,
-    host_source,
-    time_ms,
-)
+from .tvm.runtime import build, empty_aligned, from_numpy, host_source, time_ms
+from .tvm.target import cpu_has, device, host_grants_amx, host_int8_target
 
 QUANT_GEMM_SPEC = ("a = max(abs(x[i]))\n"
                    "y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a / 127 * ws[:]")

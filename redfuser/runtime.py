@@ -14,8 +14,10 @@ from algebra.rule import FusionRule
 from .lowering import FUNC_NAME, Geometry, Plan, backend, build_primfunc, signature
 from .lowering.fastmath import elementwise_kernel
 from .lowering.signature import call_shape
-from .tvm_adapter import build as tvm_build
-from .tvm_adapter import cpu_target, device, empty_aligned, export_library, from_numpy, time_ms
+from .tvm.rpc import export_library
+from .tvm.runtime import build as tvm_build
+from .tvm.runtime import empty_aligned, from_numpy, time_ms
+from .tvm.target import cpu_target, device
 
 ELEMENTWISE_NAME = "fastmath_kernel"
 
@@ -47,7 +49,7 @@ def build(rule: FusionRule, geo: Geometry, plan: Plan, target: str = "cpu",
 
 
 def export(built: Built, path: str, cross_cc: str | None = None) -> None:
-    """Write ``built`` as a library another machine loads (``tvm_adapter.export_library``:
+    """Write ``built`` as a library another machine loads (``redfuser.tvm.rpc.export_library``:
     ``.so`` linked here, by ``cross_cc`` for another architecture; ``.tar`` linked there).
     """
     export_library(built.executable, path, cross_cc)

@@ -44,7 +44,8 @@ import redfuser
 from algebra.addition import ADDITION_LAWS, MAX_WAVE_DEGREE
 from algebra.components import LinearComponent
 from redfuser.lowering.texpr import to_tir
-from redfuser.tvm_adapter import nvcc_compile, tirx
+from redfuser.tvm.cuda import nvcc_compile
+from redfuser.tvm.ir import tirx
 
 RTOL = 1e-4
 NEG_INF = -np.inf

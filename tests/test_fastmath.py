@@ -18,7 +18,9 @@ import pytest
 from redfuser.lowering import fastmath
 from redfuser.lowering.fastmath import elementwise_kernel, fast_exp, fast_log, fast_tanh
 from redfuser.runtime import evaluate_elementwise as evaluate
-from redfuser.tvm_adapter import build, cpu_target, from_numpy, tirx
+from redfuser.tvm.ir import tirx
+from redfuser.tvm.runtime import build, from_numpy
+from redfuser.tvm.target import cpu_target
 
 CHUNK = 1 << 20
 RNG = np.random.default_rng(20261101)

@@ -18,7 +18,7 @@ import redfuser
 from algebra.library import example_inputs
 from redfuser.relax import fuse_module
 from redfuser.tensorir.rewrite import run_cpu
-from redfuser.tvm_adapter import relax
+from redfuser.tvm.graph import relax
 
 VARIANTS = ("rolling", "split", "unfused")
 RTOL, ATOL = 2e-5, 1e-5

@@ -19,7 +19,9 @@ from redfuser.tensorir.axes import Frame
 from redfuser.tensorir.emit import splice
 from redfuser.tensorir.groups import LiftError, lift
 from redfuser.tensorir.rewrite import check_numeric, fuse, random_params, run_cpu
-from redfuser.tvm_adapter import build, cuda_target, structural_equal
+from redfuser.tvm.ir import structural_equal
+from redfuser.tvm.runtime import build
+from redfuser.tvm.target import cuda_target
 
 RTOL = 1e-5
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None,

@@ -13,7 +13,8 @@ import redfuser
 from redfuser.lowering import backend, shape_geometry
 from redfuser.lowering.cpu.plan import PARALLEL_MIN_WORK
 from redfuser.tools.bench import workloads
-from redfuser.tvm_adapter import nvcc_compile, structural_equal
+from redfuser.tvm.cuda import nvcc_compile
+from redfuser.tvm.ir import structural_equal
 
 VARIANTS = ("rolling", "split", "unfused")
 rng = np.random.default_rng(0)

@@ -25,16 +25,9 @@ from redfuser.lowering.cpu.int8 import ISAS, int8_gemm, isa_for, scratch_shapes
 from redfuser.lowering.cpu.int8 import quant_gemm as quant_gemm_func
 from redfuser.lowering.cuda.fp8 import fp8_quant_gemm
 from redfuser.quant import QUANT_GEMM_SPEC, QuantGemm, integer_product_range, quant_gemm
-from redfuser.tvm_adapter import (
-    build,
-    cpu_has,
-    cuda_source,
-    cuda_target,
-    from_numpy,
-    host_int8_target,
-    host_source,
-    nvcc_compile,
-)
+from redfuser.tvm.cuda import cuda_source, nvcc_compile
+from redfuser.tvm.runtime import build, from_numpy, host_source
+from redfuser.tvm.target import cpu_has, cuda_target, host_int8_target
 
 TIES = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5, 1e7 + 0.5, -0.49999997,
                  0.49999997, 8388607.5, np.inf, -np.inf, np.nan, -0.0], np.float32)

@@ -16,19 +16,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import tvm
 from torch import nn
 
 from redfuser.examples.models import examples
 from redfuser.relax import FuseCascadedReductions, build, fuse_module, run
-from redfuser.tvm_adapter import (
-    cuda_source,
-    cuda_target,
-    import_torch,
-    nvcc_compile,
-    relax,
-    structural_equal,
-    tvm,
-)
+from redfuser.tvm.cuda import cuda_source, nvcc_compile
+from redfuser.tvm.graph import import_torch, relax
+from redfuser.tvm.ir import structural_equal
+from redfuser.tvm.target import cuda_target
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
@@ -298,7 +294,7 @@ def test_pass_in_a_pipeline_exposes_its_report():
                                                       axes=[-1]))
         bb.emit_func_output(z)
     fuse = FuseCascadedReductions()
-    from redfuser.tvm_adapter import Sequential
+    from redfuser.tvm.graph import Sequential
 
     out = Sequential([fuse, relax.transform.LegalizeOps()])(bb.get())
     # softmax feeds layer_norm over the same axis: one cascade of four reductions

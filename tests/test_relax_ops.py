@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redfuser.relax import build, fuse_module, run
-from redfuser.tvm_adapter import import_torch, relax
+from redfuser.tvm.graph import import_torch, relax
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from redfuser.relax import build, driver, fuse_module, ops, run
-from redfuser.tvm_adapter import import_torch
+from redfuser.tvm.graph import import_torch
 
 LOW = "redfuser kernels compute float32 only for now"
 

@@ -19,7 +19,7 @@ from test_fuzz import make_inputs, specs
 import redfuser
 from algebra.library import example_inputs
 from redfuser.cli import main
-from redfuser.tvm_adapter import nvcc_compile
+from redfuser.tvm.cuda import nvcc_compile
 
 STAGED_LIBRARY = ("mad", "relu_sum", "threshold_mass")
 MAD = "mu = sum(x[i]) / N\nmad = sum(abs(x[i] - mu)) / N"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import tvm
 from conftest import assert_matches
 
 import redfuser
@@ -20,15 +21,10 @@ from redfuser.lowering import shape_geometry
 from redfuser.lowering.geometry import dynamic_key, fits
 from redfuser.relax.bounds import tightened
 from redfuser.relax.driver import fuse_module
-from redfuser.tvm_adapter import (
-    cuda_source,
-    cuda_target,
-    import_torch,
-    nvcc_compile,
-    relax,
-    tirx,
-    tvm,
-)
+from redfuser.tvm.cuda import cuda_source, nvcc_compile
+from redfuser.tvm.graph import import_torch, relax
+from redfuser.tvm.ir import tirx
+from redfuser.tvm.target import cuda_target
 
 RTOL, ATOL = 2e-5, 1e-5
 LENGTHS = (0, 1, 7, 64, 333)
@@ -342,7 +338,7 @@ def test_an_empty_stream_gives_no_index_not_a_cast_of_minus_inf():
     "no index" sentinel; the values are the identities."""
     from algebra.components import INDEX_SENTINEL
     from redfuser.lowering import FUNC_NAME
-    from redfuser.tvm_adapter import from_numpy
+    from redfuser.tvm.runtime import from_numpy
 
     kernel = redfuser.compile("m = max(x[i]); j = argmax(x[i])", dynamic=True)
     kernel(x=np.ones((2, 5), np.float32))

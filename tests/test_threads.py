@@ -2,7 +2,7 @@
 
 After a parallel kernel TVM's idle workers busy-wait (``TVM_THREAD_POOL_SPIN_COUNT``, TVM's
 default 300000 turns), which halved the speed of torch ops in the same process on 2 cores
-(``redfuser/tvm_adapter.py``, ``python -m redfuser.tools.neighbour``).  The pool reads the
+(``redfuser/tvm/__init__.py``, ``python -m redfuser.tools.neighbour``).  The pool reads the
 variable once, so each check runs in a fresh interpreter; no timing is asserted (shared,
 noisy machines): what is checked is the value TVM sees when it loads.
 """
@@ -15,12 +15,12 @@ import sys
 
 import pytest
 
-from redfuser.tvm_adapter import THREAD_POOL_SPIN_COUNT
+from redfuser.tvm import THREAD_POOL_SPIN_COUNT
 
 SPIN = "TVM_THREAD_POOL_SPIN_COUNT"
 
 # Records the variable as it is when ``tvm`` itself is first imported (what the pool will
-# read), then imports redfuser's adapter the way every TVM-using module does.
+# read), then imports redfuser's TVM package the way every TVM-using module does.
 PROBE = f"""
 import importlib.abc, os, sys
 
@@ -33,7 +33,7 @@ class Watch(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Watch())
-import redfuser.tvm_adapter
+import redfuser.tvm.ir
 print(Watch.seen, os.environ.get({SPIN!r}, "unset"))
 """
 

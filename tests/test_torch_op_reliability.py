@@ -127,7 +127,7 @@ def test_requires_grad_under_torch_compile():
 
 def test_a_kernel_copies_a_misaligned_tensor_that_requires_grad():
     """redfuser.compile's call path with its plan made: a misaligned tensor goes through
-    tvm_adapter.from_dlpack's aligned copy, where torch's DLPack export refused a tensor
+    redfuser.tvm.runtime.from_dlpack's aligned copy, where torch's DLPack export refused a tensor
     that requires grad (BufferError)."""
     kernel = redfuser.compile("softmax", tune=False)
     kernel(x=torch.zeros(4, 64))  # the plan for (4, 64) float32 tensors

@@ -31,7 +31,8 @@ from redfuser.tune.machine import IDENTITY_ENV, nominal_cpu
 from redfuser.tune.pool import DevicePool, PoolError
 from redfuser.tune.search import record_plan
 from redfuser.tune.space import same_plan
-from redfuser.tvm_adapter import relax, rpc_tracker, save_ir_module
+from redfuser.tvm.graph import relax, save_ir_module
+from redfuser.tvm.rpc import rpc_tracker
 
 START_S = 120  # bound on the tracker's and servers' start (two TVM imports each, busy cores)
 HUNG_S = 6.0  # a measurement here takes well under a second: 8 s without an answer is a hang

@@ -21,7 +21,8 @@ import transformers
 from torch import nn
 
 from ..relax import FuseCascadedReductions, FuseReport, build, run
-from ..tvm_adapter import cpu_target, device, import_torch, relax, relax_tensor, relax_vm
+from ..tvm.graph import import_torch, relax, relax_tensor, relax_vm
+from ..tvm.target import cpu_target, device
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, FFN = 128, 64, 4, 2, 128  # the brief's tiny configs
 MAX_SEQ = 64  # position tables and the symbolic length's upper bound

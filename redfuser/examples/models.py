@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..relax import build, run
-from ..tvm_adapter import cpu_target, device, import_torch, relax_tensor, relax_vm
+from ..tvm.graph import import_torch, relax_tensor, relax_vm
+from ..tvm.target import cpu_target, device
 from . import hf
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from algebra.components import WORKING_FALLBACK
 
-from ..tvm_adapter import T, tirx
+from ..tvm.ir import T, tirx
 from .fastmath import isfinite
 from .registers import States, work
 from .texpr import const

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from ..tvm_adapter import cpu_target, cuda_target
+from ..tvm.target import cpu_target, cuda_target
 from .cpu import plan as cpu_plan
 from .cpu import variants as cpu_variants
 from .cuda import plan as cuda_plan

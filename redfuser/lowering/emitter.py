@@ -31,7 +31,7 @@ from algebra.components import (
 )
 from algebra.rule import FusionRule
 
-from ..tvm_adapter import LEAVES, T, tirx
+from ..tvm.ir import LEAVES, T, tirx
 from .anchors import AnchorSteps, at
 from .fastmath import statement_lets
 from .geometry import Geometry, is_one, is_streamed, is_vec, same_rows

@@ -16,7 +16,7 @@ from contextvars import ContextVar
 
 import numpy as np
 
-from ..tvm_adapter import IRBuilder, T, arg_buffer, tirx
+from ..tvm.ir import IRBuilder, T, arg_buffer, tirx
 
 __all__ = ["fast_exp", "fast_log", "fast_tanh", "fast_sigmoid", "elementwise_kernel"]
 

@@ -11,7 +11,7 @@ import sympy as sp
 from algebra.cascade import INDEX
 from algebra.skip import skip_conditions
 
-from ..tvm_adapter import T, tirx
+from ..tvm.ir import T, tirx
 from .signature import F32
 from .steps import all_of
 

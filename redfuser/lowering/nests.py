@@ -9,7 +9,7 @@ from algebra.components import SelectComponent
 from algebra.derive import derive_components, running_values
 from algebra.rule import FusionRule
 
-from ..tvm_adapter import T
+from ..tvm.ir import T
 from .emitter import Emitter
 from .geometry import Geometry
 from .registers import States, registers

@@ -9,7 +9,7 @@ import sympy as sp
 from algebra.cascade import INDEX
 from algebra.stash import tile_anchor
 
-from ..tvm_adapter import T, tirx
+from ..tvm.ir import T, tirx
 from .geometry import is_streamed
 from .registers import States, work
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from algebra.rule import FusionRule
 
-from ..tvm_adapter import IRBuilder, T, arg_alias, arg_buffer, shape_var
+from ..tvm.ir import IRBuilder, T, arg_alias, arg_buffer, shape_var
 from .backends import backend
 from .geometry import Geometry, symbolic_geometry
 from .plan import Plan

@@ -16,7 +16,7 @@ from __future__ import annotations
 from algebra.components import INDEX_SENTINEL, LinearComponent, SelectComponent, StateVar
 from algebra.rule import FusionRule
 
-from ..tvm_adapter import T, tirx
+from ..tvm.ir import T, tirx
 from .geometry import Geometry
 from .signature import F32, I32, I64, rule_k
 from .texpr import const

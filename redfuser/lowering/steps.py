@@ -12,7 +12,7 @@ from algebra.cascade import LENGTH
 from algebra.components import INDEX_SENTINEL, primed
 from algebra.rule import empty_results
 
-from ..tvm_adapter import LEAVES, T, tirx
+from ..tvm.ir import LEAVES, T, tirx
 from .anchors import at
 from .fastmath import abs_bits, isfinite, isnan
 from .registers import NAN_BITS, States, nan_mark, nan_marked

@@ -16,7 +16,7 @@ import sympy as sp
 from algebra.functions import Dot
 from algebra.numeric import mul_terms, summands
 
-from ..tvm_adapter import LEAVES, tirx
+from ..tvm.ir import LEAVES, tirx
 from . import fastmath  # vectorizable polynomial versions (TVM's exp is a scalar call)
 from .fastmath import isnan
 

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ..tvm_adapter import relax
+from ..tvm.graph import relax
 from .frag import Unliftable, merge
 from .values import Ext, Lifting, Node, literal, pad_shape, static_shape
 

@@ -14,7 +14,8 @@ is ``s`` and the ops after it infer full shapes again; shape arguments (a reshap
 
 from __future__ import annotations
 
-from ..tvm_adapter import bounded_simplify, provably_equal, relax
+from ..tvm.graph import relax
+from ..tvm.ir import bounded_simplify, provably_equal
 
 SLICE = "relax.strided_slice"
 

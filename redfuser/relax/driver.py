@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from ..lowering.backends import BACKENDS, backend_of_kind
 from ..report import FuseReport, GroupReport
-from ..tvm_adapter import IRModule, current_target_kind, module_pass, relax
+from ..tvm.graph import IRModule, module_pass, relax
+from ..tvm.target import current_target_kind
 from .bounds import tightened
 from .frag import Unliftable
 from .group import BindingGroup, form_groups, skipped_entries
@@ -23,7 +24,7 @@ def fuse_module(mod: IRModule, check_build: bool = True) -> tuple[IRModule, Fuse
 
     Examples
     --------
-    >>> from redfuser.tvm_adapter import relax
+    >>> from redfuser.tvm.graph import relax
     >>> bb = relax.BlockBuilder()
     >>> x = relax.Var("x", relax.TensorType((4, 32), "float32"))
     >>> with bb.function("main", [x]):
@@ -218,7 +219,7 @@ class FuseCascadedReductions:
 
     Examples
     --------
-    >>> from redfuser.tvm_adapter import relax
+    >>> from redfuser.tvm.graph import relax
     >>> bb = relax.BlockBuilder()
     >>> x = relax.Var("x", relax.TensorType((8, 64), "float32"))
     >>> with bb.function("main", [x]):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..report import GroupReport
-from ..tvm_adapter import relax
+from ..tvm.graph import relax
 from .frag import Frag, Stmt, Unliftable, closure, merge
 from .lift import Lifter
 

@@ -20,7 +20,7 @@ import re
 
 import numpy as np
 
-from ..tvm_adapter import GenericConst, relax
+from ..tvm.graph import GenericConst, relax
 from .values import Lifting, Node
 
 # the flag's chain from the where's condition back to the scores: (op, check of the call)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..tvm_adapter import GenericConst, relax
+from ..tvm.graph import GenericConst, relax
 from .frag import Frag, Input, Stmt, Unliftable, dtype_refusal, fit, merge
 from .ops import OPS, SEEDS, unlifted_reason
 from .values import Ext, Node, Operand, literal, pad_shape, static_shape

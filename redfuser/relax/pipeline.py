@@ -12,17 +12,9 @@ the default build.  With ``fuse=True`` FuseCascadedReductions runs first.
 from __future__ import annotations
 
 from ..report import FuseReport
-from ..tvm_adapter import (
-    IRModule,
-    Sequential,
-    cpu_target,
-    dlight,
-    module_pass,
-    relax,
-    relax_tensor,
-    relax_vm,
-)
-from ..tvm_adapter import build_relax as _build_relax
+from ..tvm.graph import IRModule, Sequential, dlight, module_pass, relax, relax_tensor, relax_vm
+from ..tvm.graph import build_relax as _build_relax
+from ..tvm.target import cpu_target
 from .bounds import tightened_module
 from .driver import FuseCascadedReductions
 
@@ -71,7 +63,7 @@ def build(mod: IRModule, fuse: bool = True):
     Examples
     --------
     >>> import numpy as np
-    >>> from redfuser.tvm_adapter import relax
+    >>> from redfuser.tvm.graph import relax
     >>> bb = relax.BlockBuilder()
     >>> x = relax.Var("x", relax.TensorType((4, 32), "float32"))
     >>> with bb.function("main", [x]):

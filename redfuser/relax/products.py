@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from math import prod
 
-from ..tvm_adapter import relax
+from ..tvm.graph import relax
 from .frag import Unliftable, merge, move_rows
 from .idioms import GUARD, guard_of
 from .values import Ext, Lifting, Node, pad_shape, static_shape

@@ -20,7 +20,10 @@ from algebra.layout import Layout
 from ..lowering import Geometry, backend, build_primfunc, choose, geometry, signature
 from ..lowering.signature import param_shape
 from ..tune.search import tuned_plan
-from ..tvm_adapter import build, provably_equal, relax, target_in_scope, with_root_block
+from ..tvm.graph import relax
+from ..tvm.ir import provably_equal, with_root_block
+from ..tvm.runtime import build
+from ..tvm.target import target_in_scope
 from .frag import Unliftable
 from .group import BindingGroup
 from .values import shape_of

@@ -7,7 +7,7 @@ factors, which ``unprobe`` reads back as an expression of the variables.  The bl
 lifted at two sets of probes; a group is fused only where both give the same spec and the
 same shapes read back (a size such as ``L + 1``, or a constant baked from a length, reads
 back differently and refuses the group with the reason), and the splice proves that every
-reshape keeps its element count for all values (``tvm_adapter.provably_equal``).  The
+reshape keeps its element count for all values (``redfuser.tvm.ir.provably_equal``).  The
 kernel is built once for every length (``Plan.dynamic``) and called with the function's
 own shape variables, so the output struct info keeps them.
 """
@@ -19,7 +19,7 @@ import functools
 import operator
 
 from ..report import GroupReport
-from ..tvm_adapter import GenericConst, relax
+from ..tvm.graph import GenericConst, relax
 from .frag import Unliftable
 from .group import skipped_entries
 from .rewrite import check_kernel, derive_spec, dynamic_call_shapes, dynamic_kernel_for, splice
@@ -51,7 +51,7 @@ def unprobe(value: int, probes: dict):
 
     Examples
     --------
-    >>> from redfuser.tvm_adapter import shape_var
+    >>> from redfuser.tvm.ir import shape_var
     >>> n = shape_var("n")
     >>> str(unprobe(13 * 13 * 64, {n: 13})), unprobe(64, {n: 13})
     ('n * n * T.int64(64)', 64)

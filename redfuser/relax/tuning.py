@@ -20,7 +20,7 @@ from ..lowering import Geometry
 from ..tune import TuningDB, spec_key
 from ..tune.measure import Measurer
 from ..tune.search import TuneResult, prepare, progress_bar, run, store_or_warn
-from ..tvm_adapter import IRModule, relax
+from ..tvm.graph import IRModule, relax
 from .driver import function_name, plan_block
 from .rewrite import derive_spec, group_geometry
 
@@ -41,7 +41,7 @@ def cascades(mod: IRModule) -> list[Cascade]:
 
     Examples
     --------
-    >>> from redfuser.tvm_adapter import relax
+    >>> from redfuser.tvm.graph import relax
     >>> bb = relax.BlockBuilder()
     >>> for name in ("prefill", "decode"):  # one cascade at one shape, in two functions
     ...     x = relax.Var("x", relax.TensorType((4, 32), "float32"))
@@ -94,7 +94,7 @@ def tune_model(mod: IRModule, where: Callable[[object], Measurer] | None = None,
     Examples
     --------
     >>> import tempfile
-    >>> from redfuser.tvm_adapter import relax
+    >>> from redfuser.tvm.graph import relax
     >>> from redfuser.tune.machine import nominal_cpu
     >>> bb = relax.BlockBuilder()
     >>> x = relax.Var("x", relax.TensorType((4, 64), "float32"))

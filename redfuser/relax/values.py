@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..tvm_adapter import relax
+from ..tvm.graph import relax
 from .frag import Frag, Stmt, Unliftable
 
 MAX_TERMS = 4  # additive terms kept apart for distributing a matmul's sum over them

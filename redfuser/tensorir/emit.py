@@ -18,7 +18,7 @@ import numpy as np
 from algebra.layout import Layout
 
 from ..lowering import backend, choose, geometry, signature
-from ..tvm_adapter import (
+from ..tvm.ir import (
     IRBuilder,
     Range,
     SBlock,

@@ -22,7 +22,7 @@ from sympy.printing.str import StrPrinter
 from algebra.functions import FUNCTIONS
 from algebra.laws import LAWS
 
-from ..tvm_adapter import Call, TensorLoad, tirx
+from ..tvm.ir import Call, TensorLoad, tirx
 
 FLOAT_MAX = float.fromhex("0x1.fffffep+127")  # float32 max: TOPI's max/min initial value
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from algebra import FusionRule, NotFusable, SpecError, derive
 
-from ..tvm_adapter import (
+from ..tvm.ir import (
     SBlock,
     SBlockRealize,
     TensorLoad,

@@ -15,7 +15,10 @@ import numpy as np
 
 from ..lowering import backend
 from ..report import FuseReport, GroupReport
-from ..tvm_adapter import build, cpu_target, tirx, tvm, verify_sblock_func
+from ..tvm.graph import IRModule
+from ..tvm.ir import tirx, verify_sblock_func
+from ..tvm.runtime import TVM_ALIGNMENT, build, from_numpy
+from ..tvm.target import cpu_target
 from .emit import rewrite_group
 from .groups import Group, LiftError, lift
 
@@ -64,7 +67,7 @@ def fuse(obj, target: str | dict = "cpu", *, report: bool = False, fast_math: bo
     kind = _target_kind(target)
     if isinstance(obj, tirx.PrimFunc):
         out, entries = _fuse_func(obj, None, kind, fast_math, verify)
-    elif isinstance(obj, tvm.IRModule):
+    elif isinstance(obj, IRModule):
         out, entries = obj.clone(), []
         for gv, func in obj.functions_items():
             if isinstance(func, tirx.PrimFunc):
@@ -180,6 +183,6 @@ def run_cpu(func, arrays: list[np.ndarray]) -> list[np.ndarray]:
         else "main"
     # a function without a global symbol (Relax's legalized ones) gets no packed entry point
     executable = build(func.with_attr("global_symbol", name), cpu_target())
-    tensors = [tvm.runtime.tensor(np.array(a)) for a in arrays]
+    tensors = [from_numpy(np.array(a), align=TVM_ALIGNMENT) for a in arrays]
     executable[name](*tensors)
     return [t.numpy() for t in tensors]

@@ -1,2 +1,2 @@
 """Scripts built on the library (benchmark, GPU check, MetaSchedule comparison): not
-imported by it, and the only place besides ``tvm_adapter`` that may import TVM."""
+imported by it, and the only place besides the ``redfuser.tvm`` package that may import TVM."""

@@ -35,16 +35,10 @@ import redfuser
 
 from ..lowering.cpu.vector import host_isa
 from ..tune import describe, machine, tune
-from ..tvm_adapter import (
-    IRBuilder,
-    T,
-    arg_buffer,
-    cpu_target,
-    default_threads,
-    from_numpy,
-    tirx,
-)
-from ..tvm_adapter import build as tvm_build
+from ..tvm.ir import IRBuilder, T, arg_buffer, tirx
+from ..tvm.runtime import build as tvm_build
+from ..tvm.runtime import from_numpy
+from ..tvm.target import cpu_target, default_threads
 from . import quant_bench
 from .metaschedule_compare import print_comparison
 from .neighbour import COPY_SIDE, SPIN_ENV, copy_call, samples_ms
@@ -205,7 +199,7 @@ def run(scale: float = 1.0, repeat: int = 5, with_compile: bool = True,
 def neighbour_line(copy: Callable[[], object], before: float, repeat: int) -> str:
     """The copy baseline as the benchmark measured it (``before``: ms before any TVM kernel)
     against the same copies in a row right after a parallel TVM kernel (a softmax of 64
-    rows): a spinning TVM pool (``tvm_adapter``: TVM_THREAD_POOL_SPIN_COUNT) would slow the
+    rows): a spinning TVM pool (``redfuser.tvm``: TVM_THREAD_POOL_SPIN_COUNT) would slow the
     second, and with it every torch and copy column measured after a kernel."""
     x = np.random.default_rng(2).normal(size=(64, 4096)).astype(np.float32)
     softmax = redfuser.compile("softmax", tune=False, outputs=["y"])

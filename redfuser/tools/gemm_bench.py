@@ -26,9 +26,7 @@ os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")  # see bench.py: idle T
 import redfuser  # noqa: E402
 
 from ..lowering import Plan  # noqa: E402
-from ..tvm_adapter import (  # noqa: E402
-    default_threads,  # noqa: E402
-    )
+from ..tvm.target import default_threads  # noqa: E402
 from .bench import fma_peak, limits  # noqa: E402
 from .timing import seconds, settle  # noqa: E402
 

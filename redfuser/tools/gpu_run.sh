@@ -15,7 +15,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for mode in nvrtc nvcc; do
   TVM_CUDA_COMPILE_MODE=$mode python3 -c "
 from redfuser.lowering.cuda.fp8 import fp8_quant_gemm
-from redfuser.tvm_adapter import build, cuda_target
+from redfuser.tvm.runtime import build
+from redfuser.tvm.target import cuda_target
 build(fp8_quant_gemm(4, 32, 32, 'f'), cuda_target())" > /dev/null 2>&1 && break
 done
 export TVM_CUDA_COMPILE_MODE=$mode

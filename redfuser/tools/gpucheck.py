@@ -17,7 +17,8 @@ import redfuser
 from algebra.library import example_inputs
 
 from ..lowering.cuda.fp8 import FP8_MAX, fp8_quant_gemm
-from ..tvm_adapter import build, cuda_target, device, from_numpy, time_ms
+from ..tvm.runtime import build, from_numpy, time_ms
+from ..tvm.target import cuda_target, device
 from .bench import workloads
 from .quant_bench import ROWS, K, N
 

@@ -30,7 +30,7 @@ import tvm
 from tvm import te, topi
 from tvm.s_tir import meta_schedule as ms
 
-from ..tvm_adapter import cpu_target, default_threads
+from ..tvm.target import cpu_target, default_threads
 
 
 @dataclass

@@ -31,7 +31,7 @@ import numpy as np
 
 SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
 TVM_DEFAULT_SPIN = "300000"  # kDefaultSpinCount in TVM's src/runtime/thread_pool.cc
-SPINS = ("unset", TVM_DEFAULT_SPIN, "0")  # unset: redfuser's default (tvm_adapter)
+SPINS = ("unset", TVM_DEFAULT_SPIN, "0")  # unset: redfuser's default (redfuser.tvm)
 COPY_SIDE = 4096
 SHAPES = {"softmax 4096x4096 ms": (4096, 4096), "softmax 64x4096 ms": (64, 4096)}
 TINY_CALLS = 2000  # calls per timeit repeat of the 1 x 256 softmax

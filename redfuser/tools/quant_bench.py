@@ -16,7 +16,7 @@ import numpy as np
 import redfuser
 
 from ..quant import QuantGemm
-from ..tvm_adapter import cpu_target
+from ..tvm.target import cpu_target
 from .timing import median_ms
 
 ROWS, K, N = 256, 4096, 4096

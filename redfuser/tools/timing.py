@@ -2,7 +2,7 @@
 contender started on idle cores.
 
 Another library's idle threads keep spinning for milliseconds after its last call (torch's
-OpenMP and MKL threads; TVM's are told not to, ``tvm_adapter``) and take the cores from whatever
+OpenMP and MKL threads; TVM's are told not to, ``redfuser.tvm``) and take the cores from whatever
 runs next: our RMSNorm + GEMM 256 x 4096 -> 4096 took 37.1 ms right after torch's, 35.9 ms
 1 ms after it, 33.0 ms 10 ms and 50 ms after it.  So every measurement starts after
 ``SETTLE_S`` of sleep.

@@ -39,7 +39,7 @@ from algebra import derive
 from ..lowering import Plan, shape_geometry
 from ..lowering.cpu.plan import FOLD_LANES, LANES, TILE_ELEMENTS
 from ..runtime import allocate_outputs, build, random_inputs, time_built
-from ..tvm_adapter import cpu_target, cuda_device_name, default_threads
+from ..tvm.target import cpu_target, cuda_device_name, default_threads
 from .db import cache_dir
 from .store import DatabaseError, load, update, user_level, warn_unusable
 from .work import element_work

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..lowering import Geometry, Plan
 from ..runtime import time_plan
-from ..tvm_adapter import default_threads
+from ..tvm.target import default_threads
 from .machine import machine_id
 
 Measure = Callable[[Geometry, Plan, int], float]  # (geometry, plan, repeat) -> milliseconds

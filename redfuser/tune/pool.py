@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 
 from ..lowering import FUNC_NAME, Geometry, Plan
 from ..runtime import allocate_outputs, build, export, random_inputs
-from ..tvm_adapter import (
-    host_triple,
+from ..tvm.rpc import (
     remote_device,
     remote_load,
     remote_tensors,
@@ -43,6 +42,7 @@ from ..tvm_adapter import (
     rpc_device_info,
     rpc_tracker,
 )
+from ..tvm.target import host_triple
 from .measure import Measurer, Outcome, first_line
 from .space import plan_params
 

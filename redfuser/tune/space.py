@@ -49,7 +49,7 @@ from ..lowering import VARIANTS, Geometry, Plan, choose
 from ..lowering.cpu.plan import ISA, LANES, TILE_ELEMENTS, gemm_blocks, gemm_plan, vector_lanes
 from ..lowering.cuda import plan as cuda_plan
 from ..lowering.products import products
-from ..tvm_adapter import default_threads
+from ..tvm.target import default_threads
 from .work import rule_work
 
 GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc", "nt")  # 0: no GEMM micro-kernel

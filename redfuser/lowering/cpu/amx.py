@@ -18,7 +18,7 @@ the tile configuration (a per-thread state) and releases it at the end.
 
 from __future__ import annotations
 
-from ...tvm_adapter import T, tirx
+from ...tvm.ir import T, tirx
 from ..signature import I32
 
 TILE_ROWS, TILE_BYTES = 16, 64  # every tile register is configured as 16 rows of 64 bytes

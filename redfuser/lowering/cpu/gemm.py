@@ -33,7 +33,7 @@ from collections.abc import Callable
 from algebra.cascade import INDEX
 from algebra.rule import FusionRule
 
-from ...tvm_adapter import T, llvm_rounded, tirx
+from ...tvm.ir import T, llvm_rounded, tirx
 from ..emitter import Emitter
 from ..geometry import Geometry
 from ..invariants import rule_scores, split_invariant

@@ -32,7 +32,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ...tvm_adapter import IRBuilder, T, arg_buffer, cpu_has, tirx
+from ...tvm.ir import IRBuilder, T, arg_buffer, tirx
+from ...tvm.target import cpu_has
 from ..signature import F32, I32
 from ..texpr import const, round_half_even
 from .amx import TileGemm

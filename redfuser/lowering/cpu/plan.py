@@ -18,7 +18,8 @@ from algebra.components import LinearComponent, SelectComponent
 from algebra.functions import Dot
 from algebra.rule import FusionRule
 
-from ...tvm_adapter import T, default_threads
+from ...tvm.ir import T
+from ...tvm.target import default_threads
 from ..geometry import Geometry, component_exprs
 from ..plan import Plan, check_variant
 from ..products import products, without

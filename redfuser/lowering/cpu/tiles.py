@@ -24,7 +24,7 @@ import sympy as sp
 from algebra.components import LinearComponent, SelectComponent
 from algebra.rule import FusionRule
 
-from ...tvm_adapter import T, tirx
+from ...tvm.ir import T, tirx
 from ..emitter import Emitter, direct, folded
 from ..invariants import split_invariant
 from ..registers import Const0, States

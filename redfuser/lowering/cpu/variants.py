@@ -20,7 +20,8 @@ from contextlib import contextmanager
 
 from algebra.stash import tile_anchor
 
-from ...tvm_adapter import T, default_threads, llvm_rounded, tirx
+from ...tvm.ir import T, llvm_rounded, tirx
+from ...tvm.target import default_threads
 from ..emitter import Emitter
 from ..geometry import Geometry, InputGeom
 from ..invariants import rule_scores

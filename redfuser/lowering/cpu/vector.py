@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ...tvm_adapter import cpu_has, cpu_target
+from ...tvm.target import cpu_has, cpu_target
 
 FMA_IN_FLIGHT = 8  # multiply-adds in flight per core: 2 pipes x 4 cycles of latency
 

@@ -20,7 +20,7 @@ quantize-then-GEMM (``tools.gpucheck.fp8_reference``: the quantized values bit f
 
 from __future__ import annotations
 
-from ...tvm_adapter import IRBuilder, T, arg_buffer, block_sync, tirx
+from ...tvm.ir import IRBuilder, T, arg_buffer, block_sync, tirx
 from ..signature import F32, I32
 
 FP8 = "float8_e4m3fn"

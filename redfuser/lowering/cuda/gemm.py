@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from algebra.rule import FusionRule
 
-from ...tvm_adapter import T, block_sync, cuda_rounded, tirx
+from ...tvm.ir import T, block_sync, cuda_rounded, tirx
 from ..emitter import Emitter
 from ..geometry import Geometry
 from ..nests import copy_state, workspace

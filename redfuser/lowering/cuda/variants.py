@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...tvm_adapter import T, block_sync, cuda_rounded, tirx
+from ...tvm.ir import T, block_sync, cuda_rounded, tirx
 from ..emitter import Emitter
 from ..geometry import InputGeom
 from ..invariants import rule_scores

@@ -1,0 +1,83 @@
+"""The machines a kernel is built for: TVM target dicts, the host CPU's features, the AMX
+grant, the target in scope."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+from functools import lru_cache
+
+import tvm
+
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
+AMX_FEATURES = ("+amx-tile", "+amx-int8")
+
+
+def default_threads() -> int:
+    """Threads the TVM runtime uses (TVM_NUM_THREADS, default: every core)."""
+    return int(os.environ["TVM_NUM_THREADS"])
+
+
+@lru_cache(maxsize=1)
+def cpu_target() -> dict:
+    """The host CPU by name: "native" and plain "llvm" silently give generic SSE code."""
+    return {"kind": "llvm", "mcpu": tvm.target.codegen.llvm_get_system_cpu()}
+
+
+@lru_cache(maxsize=1)
+def host_grants_amx() -> bool:
+    """Does Linux let this process use AMX tiles?  It must ask first (ARCH_REQ_XCOMP_PERM
+    for XTILEDATA, granted to every thread of the process); a tile instruction without the
+    grant is SIGILL.  The kernel refuses when the CPU or the hypervisor has no AMX."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+
+
+def host_int8_target() -> dict:
+    """The host CPU with AMX's features where the process is granted the tiles: LLVM names
+    the CPU by its model, and a virtual machine's model can lack the AMX its CPU has."""
+    if host_grants_amx():
+        return {**cpu_target(), "mattr": list(AMX_FEATURES)}
+    return cpu_target()
+
+
+def cpu_has(target: dict, feature: str) -> bool:
+    """Does the LLVM CPU ``target`` names have ``feature`` ("avx512vnni", "avx2")?"""
+    return bool(tvm.target.codegen.target_has_features(feature, tvm.target.Target(target)))
+
+
+def cuda_target(arch: str = "sm_90") -> dict:
+    return {"kind": "cuda", "arch": arch}
+
+
+def host_triple() -> str:
+    """The LLVM triple of this machine (a target with another one is cross-compiled)."""
+    return str(tvm.target.codegen.llvm_get_system_triple())
+
+
+def device(target: dict):
+    return tvm.cuda(0) if target["kind"] == "cuda" else tvm.cpu(0)
+
+
+def cuda_device_name() -> str | None:
+    """The name of GPU 0, or None where there is no driver or no device."""
+    try:
+        dev = tvm.cuda(0)
+        return str(dev.device_name) if dev.exist else None
+    except Exception:  # noqa: BLE001 - no driver: TVM raises its own error classes
+        return None
+
+
+def target_in_scope():
+    """The ``tvm.target.Target`` in scope (``with Target(...)``), or None."""
+    return tvm.target.Target.current(allow_none=True)
+
+
+def current_target_kind() -> str | None:
+    """The kind ("llvm", "cuda", ...) of the target in scope, or None when there is none."""
+    target = target_in_scope()
+    return None if target is None else str(target.kind.name)
