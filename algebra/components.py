@@ -27,83 +27,19 @@ annihilates while the empty state 0 stays 0 under any factor (``mul0``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 import numpy as np
 import sympy as sp
 
 from .cascade import Reduction
+from .families import Family, select_family
 from .functions import Maximum, Minimum
 from .laws import LAWS
 from .numeric import compile_expr
 from .prove import Obligation
+from .state import INDEX_KEY, INDEX_SENTINEL, StateVar, mul0, primed
 
 U = sp.Dummy("u", real=True)  # the stream quantity g(x) inside F(g, a): no spec name is it
-INDEX_SENTINEL = np.iinfo(np.int64).max  # "no index yet": loses every tie
-INDEX_KEY = "#i"  # the element's integer position in the element environment
-
-
-class StateKind(str, Enum):
-    """What a state variable holds; its storage follows (an index is an int64, a top-k
-    state holds k slots).  A ``str`` enum: the laws table spells kinds as plain strings."""
-
-    VALUE = "value"
-    INDEX = "index"
-    VALUES_K = "values_k"
-    INDICES_K = "indices_k"
-    COUNT = "count"
-
-    @property
-    def is_index(self) -> bool:
-        return self in (StateKind.INDEX, StateKind.INDICES_K)
-
-    @property
-    def per_k(self) -> bool:
-        """One slot per selected element (top-k) rather than per feature."""
-        return self in (StateKind.VALUES_K, StateKind.INDICES_K)
-
-
-@dataclass(frozen=True)
-class StateVar:
-    """One state variable: its symbol, initial value (the law's identity) and meaning."""
-
-    symbol: sp.Symbol
-    init: sp.Expr
-    meaning: str
-    kind: StateKind = StateKind.VALUE
-
-    def __post_init__(self):
-        object.__setattr__(self, "kind", StateKind(self.kind))  # a law's string, checked
-
-
-def primed(a: sp.Symbol, mark: str = "'") -> sp.Symbol:
-    """The same anchor at another point: m -> m' (new), m_L, m_R ..."""
-    return sp.Symbol(a.name + mark, **a.assumptions0)
-
-
-def mul0(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a * b where an exact 0 on either side wins (0 * inf = 0 * nan = 0)."""
-    return np.where((a == 0) | (b == 0), 0, a * b)
-
-
-# Working anchors (module doc): the value a re-anchored state is held at where the running
-# value cannot serve.  An anchor the state only re-anchors through exp() and polynomial
-# shifts is held at 0 where it is not finite; one whose power the state keeps (1/m, m**2:
-# ``separate.kept_factor``) is also held away from 0, where that power has its pole or zero
-# (the state there would be inf/NaN or 0 whatever it summed), at 1 (every such power is 1).
-WORKING_FALLBACK = {False: 0.0, True: 1.0}  # guarded? -> where the state is held instead
-
-
-def working_value(v: np.ndarray, guarded: bool, dt: np.dtype) -> np.ndarray:
-    """The working anchor for the running value ``v``: ``v`` where it is finite (and, for a
-    guarded anchor, not 0), else the fallback."""
-    usable = np.isfinite(v) & (v != 0) if guarded else np.isfinite(v)
-    return np.where(usable, v, dt.type(WORKING_FALLBACK[guarded]))
-
-
-def guarded_anchors(components) -> frozenset[str]:
-    """Anchors some state keeps a power of (see ``WORKING_FALLBACK``)."""
-    return frozenset().union(*(getattr(c, "guards", frozenset()) for c in components))
 
 
 def _same(old: dict, new: dict, anchors) -> np.ndarray | bool:
@@ -142,6 +78,10 @@ class LinearComponent(Component):
     basis: tuple[sp.Expr, ...] = ()  # psi_k(x, a) for each column
     matrix: sp.Matrix = field(default_factory=lambda: sp.Matrix())  # A(a, a') over columns
     guards: frozenset[str] = frozenset()  # anchors whose powers the state keeps (1/m, m**2)
+
+    @property
+    def family(self) -> Family:
+        return Family.ANCHORED_SUM if self.anchors else Family.SUM
 
     def counts(self, r: int) -> bool:
         """Is column r the rule's count of elements (basis 1)?  Its row is the count's
@@ -260,6 +200,10 @@ class SelectComponent(Component):
     outer: sp.Expr = U  # F(u, a)
     direction: int = 1  # +1: larger g is better
     k: int = 1
+
+    @property
+    def family(self) -> Family:
+        return select_family(self.k, len(self.state) > 1)  # (value, index) pairs
 
     def update_lines(self) -> list[tuple[object, object]]:
         value, index = (s.symbol for s in self.state) if len(self.state) > 1 else \
@@ -414,6 +358,10 @@ class ProductComponent(Component):
     """A plain product of an anchor-free factor: the signs of a prod()'s factors."""
 
     factor: sp.Expr = sp.S.One  # G(x)
+
+    @property
+    def family(self) -> Family:
+        return Family.PRODUCT
 
     def update_lines(self) -> list[tuple[sp.Expr, sp.Expr]]:
         p = self.state[0].symbol

@@ -12,9 +12,10 @@ from contextlib import contextmanager
 import numpy as np
 
 from .cascade import INDEX, LENGTH
-from .components import INDEX_KEY, SelectComponent
+from .components import SelectComponent
 from .layout import Layout, resolve, to_user, vector_results
 from .numeric import PER_ROW, compile_expr
+from .state import INDEX_KEY
 
 
 def _bounds(chunks, n: int) -> list[tuple[int, int]]:

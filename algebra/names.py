@@ -51,7 +51,7 @@ class Names:
     """What a construction needs to name its state: the count, and the names already taken
     (the spec's and every name invented so far), which new names are made fresh against;
     and the inputs carrying the feature axis (a sum of those keeps no anchor factor in its
-    state: ``separate.kept_factor``)."""
+    state: ``separate.state_factor``)."""
 
     count: sp.Symbol
     taken: set[str]

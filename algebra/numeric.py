@@ -16,7 +16,7 @@ from functools import reduce
 import numpy as np
 import sympy as sp
 
-from .functions import NUMPY_KERNELS
+from .vocabulary import NUMPY_KERNELS
 
 Env = Mapping[str, np.ndarray]
 Compiled = Callable[[Env, np.dtype], np.ndarray]

@@ -21,10 +21,10 @@ import operator
 import numpy as np
 
 from .cascade import INDEX, LENGTH, Cascade
-from .functions import FUNCTIONS
 from .layout import resolve, to_user
 from .library import resolve_spec
 from .spec import CONSTANTS, parse
+from .vocabulary import FUNCTIONS
 
 F64 = np.dtype(np.float64)
 EMPTY = {"max": -np.inf, "min": np.inf}  # max and min of no elements (numpy has no default)

@@ -9,19 +9,13 @@ import numpy as np
 import sympy as sp
 
 from .cascade import INDEX, Cascade
-from .components import (
-    Component,
-    LinearComponent,
-    StateVar,
-    guarded_anchors,
-    primed,
-    working_value,
-)
+from .components import Component, LinearComponent
 from .interpret import run
 from .laws import LAWS
 from .numeric import compile_expr
 from .prove import Obligation
-from .stash import Stash, stashes, tile_anchor
+from .stash import OutputStash, stashes, tile_anchor
+from .state import StateVar, guarded_anchors, primed, working_value
 
 
 @dataclass(frozen=True)
@@ -90,7 +84,7 @@ class FusionRule:
         return [(f"{n}[{INDEX}]", e) for n, e in self.cascade.elementwise.items()]
 
     @property
-    def stashes(self) -> dict[str, Stash]:
+    def stashes(self) -> dict[str, OutputStash]:
         """Per-element outputs the statistics pass can write as it goes (``algebra.stash``),
         each with its proven identity."""
         return self.compiled("stashes", lambda: stashes(self.cascade, self.components))
@@ -173,7 +167,7 @@ class FusionRule:
 
     def _anchors(self, comp, state, params, dt, working: bool = True) -> dict[str, np.ndarray]:
         """The component's anchors at this state (plus the parameters its matrix reads);
-        ``working``: the working anchors (``algebra.components.working_value``)."""
+        ``working``: the working anchors (``algebra.state.working_value``)."""
         fns = self._running_fns()
         env = {**params, **state}
         values = {a.name: np.asarray(fns[a.name](env, dt)) for a in comp.anchors}

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 import sympy as sp
 from sympy.logic.boolalg import Boolean
 
-from .functions import FLOAT_CLASSES, Dot, IsNaN, Where, as_written, ieee_not
+from .functions import Dot, Where
+from .ieee import FLOAT_CLASSES, IsNaN, as_written, ieee_not
 
 MAX_CONDITIONS = 6  # distinct conditions in one expression: 2**6 cases at most to prove
 

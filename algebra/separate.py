@@ -4,7 +4,7 @@ Three analyses, one per algebraic family of ``laws.LAWS``:
 
 - ``linear_blocks`` (sum): body = sum_b C_b(a) * K_b(x, a), where C_b depends on the
   anchors only (its powers of anchors stay in the state, the rest moves to finalize:
-  ``kept_factor``) and K_b = sum_t exp(alpha_t(x) + beta_b(a)) * P_t(x, a)
+  ``state_factor``) and K_b = sum_t exp(alpha_t(x) + beta_b(a)) * P_t(x, a)
   * W_t(gamma_t(x) + theta_b(a)) with each P_t a polynomial in the anchors and W_t a wave
   (sin, cos, or none).  The exponential keeps its anchor part (that is what keeps exp() in
   range); the polynomial keeps its shifted form (that is what keeps variance stable); the
@@ -15,12 +15,13 @@ Three analyses, one per algebraic family of ``laws.LAWS``:
 - ``multiplicative_split`` (prod): body = C(a) * G(x), then ``polar`` writes each as
   sign * exp(log|.|), whose log-sum is a linear body like any other.
 
-A body with selects (``where``) is first checked by ``check_selects``: a select whose
-condition reads the stream and parameters only is separable (each leaf of the select tree
-is separated on its own, and its state sums run over the elements of its mask: see
+A body with selects (``where``) is first checked by ``refusals.check_selects``: a select
+whose condition reads the stream and parameters only is separable (each leaf of the select
+tree is separated on its own, and its state sums run over the elements of its mask: see
 ``algebra.selects``); a condition that reads an anchor is refused.
 
-Anything else raises ``NotFusable`` naming the smallest offending sub-expression.
+Anything else raises ``NotFusable`` naming the smallest offending sub-expression
+(``refusals.culprit``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,11 @@ from dataclasses import dataclass
 from itertools import product
 
 import sympy as sp
-from sympy.codegen.cfunctions import expm1
 
-from .addition import PHASE, WAVES, exp_form, is_wave, mixes, wave_parts
+from .addition import PHASE, exp_form, is_wave, mixes, wave_parts
 from .errors import NotFusable
-from .functions import Clip, Maximum, Minimum, Relu, Round
-from .selects import conditions, has_select, leaves, masked
+from .refusals import WHY, culprit
+from .selects import leaves, masked
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Block:
     """Terms sharing one anchor-only factor ``coeff``, one exponent anchor part ``beta`` and
     one wave phase ``theta`` (0 without waves)."""
 
-    coeff: sp.Expr  # anchor-only factor applied at finalize (see ``kept_factor``)
+    coeff: sp.Expr  # anchor-only factor applied at finalize (see ``state_factor``)
     beta: sp.Expr
     terms: tuple[tuple[sp.Expr, sp.Expr, sp.Expr], ...]  # (alpha_t(x), P_t(x, a), W_t(PHASE))
     mask: sp.Basic = sp.true  # the elements the block sums over (a select's leaf)
@@ -85,98 +85,6 @@ def _exp(e: sp.Expr) -> sp.Expr:
     return sp.S.One if e == 0 else sp.exp(sp.factor_terms(e))
 
 
-# Why each kind of node blocks separation, keyed by sympy class: data, not branches.
-_WHY = {
-    Round: "is piecewise constant in its argument: no identity re-anchors it, which blocks "
-           "exact fusion",
-    sp.floor: "is piecewise constant: no identity re-anchors it, which blocks exact fusion",
-    sp.ceiling: "is piecewise constant: no identity re-anchors it, which blocks exact fusion",
-    sp.sign: "is piecewise constant: no identity re-anchors it, which blocks exact fusion",
-    Relu: "is piecewise linear with a kink that moves with the anchor: not separable "
-          "(no finite sum of G(x)*H(anchor) equals it)",
-    sp.Abs: "has a kink that moves with the anchor: not separable (no finite sum of "
-            "G(x)*H(anchor) equals it)",
-    Clip: "has kinks at its bounds that move with the anchor: not separable (no finite sum "
-          "of G(x)*H(anchor) equals it)",
-    Maximum: "switches branch where the anchor crosses the stream: not separable",
-    Minimum: "switches branch where the anchor crosses the stream: not separable",
-    sp.exp: "has an exponent that does not split into a stream part plus an anchor part",
-    sp.sin: "has an argument that does not split into a stream part plus an anchor part "
-            "(only sin(g(x) + h(a)) has the rank-2 form sin g cos h + cos g sin h)",
-    sp.cos: "has an argument that does not split into a stream part plus an anchor part "
-            "(only cos(g(x) + h(a)) has the rank-2 form cos g cos h - sin g sin h)",
-    expm1: "is exp(e) - 1, a rank-2 form, but that form cancels exp(e) against the count and "
-           "loses the accuracy near e = 0 that expm1 is for: write exp(...) - 1 to fuse it",
-    sp.Pow: "is not a polynomial in the anchor: a power, root or quotient of a stream-and-"
-            "anchor expression has no finite-rank G(x)*H(anchor) form",
-}
-
-
-_NUMBER_BASE = {  # is the base 0?  (a positive base was rewritten exp(e*log(b)) and fused)
-    False: "is a power of a negative number with an exponent that varies: it is not a real "
-           "number between integer exponents (numpy gives NaN), so no real state can hold it",
-    True: "is a power of 0: 0, 1 or inf as the exponent's sign changes, piecewise constant, "
-          "so no identity re-anchors it",
-}
-
-
-def check_selects(name: str, body: sp.Expr, anchors: set, family: str):
-    """Refuse the selects no law separates: a condition that reads an anchor (which elements
-    are selected would change whenever the anchor moves, so no state of the elements seen so
-    far could be re-anchored), and selects in a selecting or multiplicative body that reads
-    anchors (the empty selection has no exact finalize without a count of its elements).
-
-    Examples
-    --------
-    >>> from algebra.functions import Where
-    >>> x, m = sp.symbols("x m", real=True)
-    >>> check_selects("c", Where(x > m, 1, 0), {m}, "linear")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    algebra.errors.NotFusable: reduction 'c' cannot be fused: `x > m` is the condition ...
-    """
-    for cond in conditions(body):
-        if cond.free_symbols & anchors:
-            used = ", ".join(sorted(str(a) for a in cond.free_symbols & anchors))
-            raise NotFusable(name, cond, f"is the condition of a where() and reads the earlier "
-                             f"result(s) {used}: which elements are selected changes whenever "
-                             "the running value moves, so the select is not separable (only a "
-                             "condition on the stream, i and parameters is); an epilogue "
-                             "where(cond, sum(a), sum(b)) can select on results")
-    if family != "linear" and anchors and has_select(body):
-        raise NotFusable(name, body, "is a where() inside a max/min/arg*/topk/prod body that "
-                         "also reads earlier results: not supported (the select is separable "
-                         "only in sums, or in such bodies that read no earlier result, e.g. "
-                         "max(where(i <= pos, s, -inf)))")
-
-
-def _separable(e: sp.Expr, anchors: set, streams: set) -> bool:
-    """True when e is built from stream-only and anchor-only parts by +, *, positive integer
-    powers, polynomials in the anchors and exponentials of separable exponents."""
-    if not mixes(e, anchors, streams) or e.is_polynomial(*(e.free_symbols & anchors)):
-        return True
-    if e.is_Add or e.is_Mul:
-        return all(_separable(a, anchors, streams) for a in e.args)
-    if e.is_Pow and e.exp.is_Integer and e.exp > 0:
-        return _separable(e.base, anchors, streams)
-    if isinstance(e, (sp.exp, *WAVES)):
-        return all(not mixes(t, anchors, streams) for t in sp.Add.make_args(sp.expand(e.args[0])))
-    return False
-
-
-def culprit(e: sp.Expr, anchors: set, streams: set) -> tuple[sp.Expr, str]:
-    """The smallest sub-expression of ``e`` that mixes stream and anchor non-separably."""
-    for arg in e.args:
-        if not _separable(arg, anchors, streams):
-            return culprit(arg, anchors, streams)
-    if e.is_Pow and e.base.is_number:  # b > 0 was rewritten exp(e*log(b)) and separated
-        return e, _NUMBER_BASE[bool(e.base.is_zero)]
-    why = next((w for cls, w in _WHY.items() if isinstance(e, cls)),
-               f"({type(e).__name__} of a stream-and-anchor expression) is not separable: "
-               "it has no finite-rank G(x)*H(anchor) form")
-    return e, why
-
-
 def _split_terms(e: sp.Expr, has_exp) -> list[tuple[sp.Expr, sp.Expr]]:
     """Distribute ``e`` into (exponent, rest) terms, opening only sums and products for
     which ``has_exp`` holds."""
@@ -207,7 +115,7 @@ def _split_argument(func, arg, anchors, streams, name) -> tuple[sp.Expr, sp.Expr
     stream, anchor = sp.S.Zero, sp.S.Zero
     for t in sp.Add.make_args(sp.expand(arg)):
         if mixes(t, anchors, streams):
-            raise NotFusable(name, func(arg), _WHY[func])
+            raise NotFusable(name, func(arg), WHY[func])
         if t.free_symbols & streams:
             stream += t
         else:
@@ -216,9 +124,9 @@ def _split_argument(func, arg, anchors, streams, name) -> tuple[sp.Expr, sp.Expr
 
 
 def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set,
-                  keep: bool = True) -> list[Block]:
+                  in_state: bool = True) -> list[Block]:
     """Decompose a sum body into blocks ``C_b(a) * sum_t exp(alpha_t + beta_b) * P_t * W_t``;
-    ``keep``: powers of the anchors stay in the state (``kept_factor``).
+    ``in_state``: powers of the anchors stay in the state (``state_factor``).
 
     Examples
     --------
@@ -245,12 +153,12 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set,
     for mask, leaf in leaves(exp_form(body, anchors)):
         for expo, rest in _split_terms(leaf, opens):
             for part in wave_parts(name, rest, anchors, streams):
-                _add_term(name, expo, part, mask, anchors, streams, groups, keep)
+                _add_term(name, expo, part, mask, anchors, streams, groups, in_state)
     return [Block(c, b, tuple((a, p, w) for (a, w), p in t.items()), mask, theta, kept)
             for (c, b, theta, mask, kept), t in groups.items()]
 
 
-def _add_term(name, expo, rest, mask, anchors, streams, groups, keep):
+def _add_term(name, expo, rest, mask, anchors, streams, groups, in_state):
     """Add one term exp(expo) * rest of a select-free leaf (summed over the elements of
     ``mask``) to its block."""
     alpha, beta = _split_exponent(expo, anchors, streams, name)
@@ -269,12 +177,12 @@ def _add_term(name, expo, rest, mask, anchors, streams, groups, keep):
             wave = f.func(gamma + PHASE)
         else:
             raise NotFusable(name, *culprit(f, anchors, streams))
-    kept, coeff = kept_factor(coeff, anchors) if keep else (sp.S.One, coeff)
+    kept, coeff = state_factor(coeff, anchors) if in_state else (sp.S.One, coeff)
     terms = groups.setdefault((coeff, beta, theta, mask, kept), {})
     terms[(alpha, wave)] = terms.get((alpha, wave), sp.S.Zero) + poly
 
 
-def kept_factor(coeff: sp.Expr, anchors: set) -> tuple[sp.Expr, sp.Expr]:
+def state_factor(coeff: sp.Expr, anchors: set) -> tuple[sp.Expr, sp.Expr]:
     """Split an anchor-only factor into (kept in the state, applied at finalize).
 
     Moving a factor C(a) out of a sum (sum(C(a) K) = C(a) sum(K)) changes the range the state
@@ -289,7 +197,7 @@ def kept_factor(coeff: sp.Expr, anchors: set) -> tuple[sp.Expr, sp.Expr]:
     Examples
     --------
     >>> m, d, e = sp.symbols("m d e", real=True)
-    >>> kept_factor(2 / (m**2 * (d + e)), {m, d})
+    >>> state_factor(2 / (m**2 * (d + e)), {m, d})
     (m**(-2), 2/(d + e))
     """
     kept = sp.S.One

@@ -28,7 +28,7 @@ TILE_MARK = "_t"  # m_t: the anchor m at a tile
 
 
 @dataclass(frozen=True)
-class Stash:
+class OutputStash:
     """Output ``output`` = (basis ``column`` of component ``component`` at the tile anchors)
     times ``factor``, which reads the tile anchors (``tile_anchor``) and the results."""
 
@@ -45,7 +45,7 @@ def tile_anchor(anchor: sp.Symbol, cascade: Cascade) -> sp.Symbol:
     return sp.Symbol(fresh(anchor.name + TILE_MARK, set(cascade.names)), **anchor.assumptions0)
 
 
-def stashes(cascade: Cascade, components) -> dict[str, Stash]:
+def stashes(cascade: Cascade, components) -> dict[str, OutputStash]:
     """Every per-element output that can be stashed, with its proven identity.
 
     Examples
@@ -68,7 +68,7 @@ def stashes(cascade: Cascade, components) -> dict[str, Stash]:
 
 
 def _first_stash(name: str, expr: sp.Expr, cascade: Cascade, components,
-                 varying: set) -> Stash | None:
+                 varying: set) -> OutputStash | None:
     for index, comp in enumerate(components):
         if not isinstance(comp, LinearComponent) or not comp.anchors:
             continue  # without an anchor the basis is the plain element: nothing to save
@@ -82,7 +82,7 @@ def _first_stash(name: str, expr: sp.Expr, cascade: Cascade, components,
                 continue
             ob = Obligation(f"{name}: stash", STASH_LAW, expr, psi_t * factor)
             if ob.check():
-                return Stash(name, index, column, factor, ob)
+                return OutputStash(name, index, column, factor, ob)
     return None
 
 
