@@ -1,6 +1,6 @@
 """redfuser: derive, prove and lower one-pass rules for cascaded reductions.
 
-The stages, in the order they run:
+The phases, in the order they run:
 
 1. ``algebra``: parse the spec and lift each reduction to sympy; separate each body;
    derive every component's state, update, merge and finalize; prove every identity
@@ -8,7 +8,7 @@ The stages, in the order they run:
 2. ``kernel.compile`` wraps a rule in a ``Kernel``; its first call with a new shape
    resolves the inputs (``algebra.layout``) and fixes a ``Geometry``
    (``lowering.geometry``).
-3. The plan: the tuning database's (``tune``) or the target's hand-written policy
+3. The plan (``plans.plan_for``): the tuning database (``tune``), else the target's policy
    (``lowering.backends`` -> ``lowering.cpu.plan`` / ``lowering.cuda.plan``).
 4. ``lowering.build_primfunc``: the target's loop nest of the plan's variant, its
    statements emitted by ``lowering.emitter`` -> a TIR PrimFunc.
@@ -16,7 +16,7 @@ The stages, in the order they run:
    the kernel runs on the caller's arrays.
 
 ``tensorir`` and ``relax`` find cascades in TVM programs and fuse them through the same
-stages.  ``derive``/``reference`` need only sympy and numpy; ``compile`` (TVM) is imported
+phases.  ``derive``/``reference`` need only sympy and numpy; ``compile`` (TVM) is imported
 on first use so that deriving rules does not pay for loading TVM.
 
 >>> import redfuser

@@ -205,7 +205,7 @@ def _max_rel_err(out: dict, ref: dict, np) -> float:
 
 def _db_cmd(args: argparse.Namespace) -> int:
     from .tune import DatabaseError, TuningDB  # lazily (module doc)
-    from .tune.share import fold, show  # lazily (module doc)
+    from .tune.share import merge_files, show  # lazily (module doc)
 
     db = TuningDB(args.db)
     try:
@@ -216,7 +216,7 @@ def _db_cmd(args: argparse.Namespace) -> int:
             print(f"exported {count} {'entry' if count == 1 else 'entries'} of {db.path} to "
                   f"{args.file}")
         else:
-            for path, summary in fold(db, args.files):
+            for path, summary in merge_files(db, args.files):
                 print(f"{path} into {db.path}: {summary}")
     except DatabaseError as e:
         print(f"redfuser db {args.action}: {e}", file=sys.stderr)

@@ -23,8 +23,6 @@ from algebra import NotFusable, SpecError, derive
 
 from .cli_args import UsageError, positive, row_axes, shape
 
-BACKENDS = ("cpu", "cuda")
-
 
 def add_parser(sub) -> None:
     t = sub.add_parser("tune", help="search the schedule of a spec (or of a whole model) and "
@@ -93,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
 def _target(args: argparse.Namespace) -> tuple[str, dict | None]:
     """(backend, TVM target for the pool or None) from --target, checked against the rest
     of the command line."""
-    from .tune.pool import KIND_BACKENDS  # lazily (module doc)
+    from .lowering.backends import BACKENDS, backend_of_kind, build_kinds  # lazily (module doc)
 
     if args.model and (args.spec or args.shape):
         raise UsageError("give a spec (with --shape) or --model, not both: a model's cascades "
@@ -111,15 +109,17 @@ def _target(args: argparse.Namespace) -> tuple[str, dict | None]:
         target = json.loads(args.target)
     except json.JSONDecodeError:
         target = None
-    if not isinstance(target, dict) or target.get("kind") not in KIND_BACKENDS:
+    kind = target.get("kind") if isinstance(target, dict) else None
+    found = backend_of_kind(kind) if isinstance(kind, str) and kind else None
+    if found is None:
         raise UsageError(f"--target must be cpu, cuda or a TVM target as JSON with a kind of "
-                     f"{', '.join(KIND_BACKENDS)}, not {args.target!r}")
+                     f"{', '.join(build_kinds())}, not {args.target!r}")
     if not args.rpc:
         raise UsageError("a TVM target description needs --rpc: tuning here builds for this "
                      "machine")
-    if args.model and KIND_BACKENDS[target["kind"]] != "cpu":
+    if args.model and found is not backend_of_kind(None):  # the host's, as Relax emits
         raise UsageError("--model tunes CPU kernels (the Relax pass emits llvm kernels only)")
-    return KIND_BACKENDS[target["kind"]], target
+    return found.name, target
 
 
 def _spec(args: argparse.Namespace):
@@ -145,11 +145,12 @@ def _load_model(name_or_file: str):
 
 
 def _pool(args: argparse.Namespace, tvm_target: dict | None):
+    from .lowering.backends import BACKENDS  # lazily (module doc)
     from .tune.pool import MEASURE_TIMEOUT_S, DevicePool  # lazily (module doc)
-    from .tvm.target import cuda_target  # lazily (module doc)
 
-    if tvm_target is None and args.target == "cuda":
-        tvm_target = cuda_target()  # a GPU cannot be asked its architecture over RPC
+    if tvm_target is None and args.target in BACKENDS and \
+            not BACKENDS[args.target].host_memory:
+        tvm_target = BACKENDS[args.target].tvm_target()  # a GPU cannot be asked its arch over RPC
     pool = DevicePool(args.rpc, args.key, tvm_target, timeout=args.timeout or
                       MEASURE_TIMEOUT_S, cross_cc=args.cross_cc)
     print(f"pool: {len(pool.devices)} device(s) of key {args.key!r} at {args.rpc}: "

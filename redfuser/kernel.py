@@ -15,7 +15,8 @@ lengths reuses the build; ``kernel.builds`` counts compilations.
 The plan of a new geometry comes from the tuning database when it has one (``tune``:
 None reads it, True also searches a missing shape, "model" takes the cost model's first
 choice for a missing shape without measuring, False ignores the database;
-``redfuser.tune``), else from the target's hand-written policy (``lowering.choose``).
+``redfuser.tune``), else from the target's hand-written policy (``lowering.choose``):
+``plans.plan_for`` decides, as it does for the TensorIR and Relax rewrites.
 """
 
 from __future__ import annotations
@@ -30,27 +31,19 @@ import numpy as np
 from algebra import FusionRule, StagedRule, derive
 from algebra.cascade import LENGTH
 from algebra.layout import resolve
-from algebra.stages import StagedLowering
 
-from .call import (
-    CallPlan,
-    call_plan,
-    given_outputs,
-    in_kind,
-    input_arrays,
-    input_key,
-    output_arrays,
-)
-from .lowering import Geometry, Plan, backend, choose, geometry
+from .call import CallPlan, call_plan, in_kind, input_arrays, output_arrays
+from .call_key import input_key
+from .lowering import Geometry, Plan, backend, geometry
 from .lowering.geometry import dynamic_key, fits
 from .lowering.plan import check_variant
+from .out_arrays import given_outputs
+from .plans import TUNE_MODES, hand_written, plan_for
 from .runtime import Built, allocate_outputs, build, random_inputs, time_built
 from .runtime import input_tensors as layout_tensors
-from .tune.search import model_plan, tuned_plan
 from .tvm.cuda import cuda_source
 from .tvm.runtime import from_numpy, host_source
 
-TUNE_MODES = (None, True, False, "model")
 # Executables a Kernel keeps (least recently used evicted): each holds ~1.6 MB of JIT code
 # (80 softmax shapes: +128 MB), and a recompile costs ~0.2 s.  32 holds a model's few
 # shapes plus one schedule search's candidates (top 4, one per variant, the hand-written
@@ -236,24 +229,15 @@ class Kernel:
                     key)
 
     def _hand_written(self, geo: Geometry) -> Plan:
-        return choose(self.rule, geo, target=self.target, dynamic=self.dynamic, **self.options)
+        return hand_written(self.rule, geo, self.target, dynamic=self.dynamic, **self.options)
 
     def _plan(self, geo: Geometry) -> tuple[Plan, bool]:
-        """(plan, from tuning) for this geometry: the tuning database's plan (searched
-        first when ``tune=True``; the cost model's pick when ``tune="model"``) unless the
-        caller pinned variant/splits/threads or said ``tune=False``; else the
-        hand-written policy's."""
-        pinned = any(self.options[k] is not None for k in ("variant", "splits", "threads"))
-        staged = isinstance(self.rule, StagedLowering)  # the tuner searches one-pass plans
-        if self.tune is not False and not pinned and not staged and not self.dynamic:
-            fast_math = self.options["fast_math"]
-            plan = tuned_plan(self.rule, geo, self.target, fast_math, search=self.tune is True,
-                              measure=self.time_plan)
-            if plan is None and self.tune == "model":
-                plan = model_plan(self.rule, geo, self.target, fast_math)
-            if plan is not None:
-                return plan, True
-        return self._hand_written(geo), False
+        """(plan, from tuning) for this geometry, through the one plan door
+        (``plans.plan_for``: the tuning database, the cost model, else the hand-written
+        policy)."""
+        choice = plan_for(self.rule, geo, self.target, dynamic=self.dynamic, tune=self.tune,
+                          measure=self.time_plan, **self.options)
+        return choice.plan, choice.tuned
 
     # Step 3. Run ----------------------------------------------------------------------
     def __call__(self, out: dict | None = None, **inputs) -> dict:
@@ -277,7 +261,7 @@ class Kernel:
 
     def _into(self, plan: CallPlan, inputs: dict, layout, out) -> dict:
         """A host call that writes the caller's ``out`` arrays; one that overlaps an input
-        is written to a temporary and copied over afterwards (``call.given_outputs``)."""
+        is written to a temporary and copied over afterwards (``out_arrays.given_outputs``)."""
         users, tensors, copies = given_outputs(plan, out, inputs)
         plan.func(*input_arrays(plan, inputs, layout), *tensors)
         for target, temp in copies:

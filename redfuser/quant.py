@@ -28,9 +28,11 @@ import sympy as sp
 from algebra import NotFusable, derive
 from algebra.functions import bounds
 
-from .lowering.cpu.int8 import DotIsa, check_k, isa_for, scratch_shapes, weight_shapes
-from .lowering.cpu.int8 import pack_weights as pack_weights_func
 from .lowering.cpu.int8 import quant_gemm as quant_gemm_func
+from .lowering.cpu.int8_isa import DotIsa, check_k
+from .lowering.cpu.int8_pack import pack_weights as pack_weights_func
+from .lowering.cpu.int8_pack import scratch_shapes, weight_shapes
+from .lowering.cpu.vector import isa_for
 from .tvm.runtime import build, empty_aligned, from_numpy, host_source, time_ms
 from .tvm.target import cpu_has, device, host_grants_amx, host_int8_target
 
@@ -96,7 +98,7 @@ class QuantGemm:
 
     def __init__(self, target: dict | None = None, isa: DotIsa | None = None):
         """``target``: the host CPU by default (with AMX where granted); ``isa``: one of
-        ``lowering.cpu.int8.ISAS`` the target has (default: the best)."""
+        ``lowering.cpu.vector.INT8_ISAS`` the target has (default: the best)."""
         self.target = target or host_int8_target()
         self.isa: DotIsa = isa or isa_for(self.target)
         if not cpu_has(self.target, self.isa.feature):

@@ -35,7 +35,7 @@ from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_gu
 from algebra import FusionRule, derive
 from algebra.layout import Layout, resolve, vector_results
 
-from .call import _user_shape
+from .call import user_shape
 from .kernel import Kernel
 from .lowering import geometry, signature
 
@@ -229,7 +229,7 @@ def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch
     if any(isinstance(s, torch.SymInt) for shape in shapes.values() for s in shape):
         layout = _symbolic(rule.cascade, layout, shapes)
     vector = vector_results(rule.cascade, layout.vector)  # as call.call_plan reads it
-    return {a.name: (_user_shape(rule, layout, a, vector), TORCH_DTYPES[a.dtype])
+    return {a.name: (user_shape(rule, layout, a, vector), TORCH_DTYPES[a.dtype])
             for a in sig.outputs}
 
 

@@ -1,5 +1,5 @@
 """Emitter steps for anchors: the running values re-anchored states are moved to, and the
-working values they are held at (``algebra.components``); mixed into ``emitter.Emitter``.
+working values they are held at (``algebra.state``); mixed into ``emitter.Emitter``.
 
 An anchor is a map slot -> value.  A per-row anchor (one value for the whole feature
 vector) is bound once and answers every slot; a feature-vector anchor (``m = max(v[i, :])``
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from algebra.components import WORKING_FALLBACK
+from algebra.state import WORKING_FALLBACK
 
 from ..tvm.ir import T, tirx
 from .fastmath import isfinite
-from .registers import States, work
+from .registers import States, working
 from .texpr import const
 
 Anchors = dict[str, Callable]  # anchor name -> (slot -> PrimExpr)
@@ -47,7 +47,7 @@ class AnchorSteps:
                 (lambda slot, a=a: value(a, slot)) for a in names}
 
     def working(self, st: States, lane, r, names) -> Anchors:
-        """The working anchors at this state (``algebra.components.working_value``): the
+        """The working anchors at this state (``algebra.state.working_value``): the
         running value where finite (and not 0, for an anchor the state keeps a power of),
         else the fallback."""
         def value(a, run, slot):
@@ -62,18 +62,18 @@ class AnchorSteps:
     @staticmethod
     def held(st: States, lane, names) -> Anchors:
         """The working anchors the lane's states are held at (their registers)."""
-        return {a: (lambda slot=0, a=a: st.get(work(a), lane, slot)) for a in names}
+        return {a: (lambda slot=0, a=a: st.get(working(a), lane, slot)) for a in names}
 
     def hold(self, st: States, lane, values: Anchors):
         for a, value in values.items():
-            with self.slots(st.widths[work(a)]) as slot:
-                st.set(work(a), lane, value(slot), slot)
+            with self.slots(st.widths[working(a)]) as slot:
+                st.set(working(a), lane, value(slot), slot)
 
     def hold_for(self, st: States, comp, lane, r):
         """Hold the lane at the working anchors of ``comp`` (its upstream is complete)."""
         self.hold(st, lane, self.working(st, lane, r, [a.name for a in comp.anchors]))
 
-    def _moved(self, st: States, lane, r, comp, new: Anchors) -> Anchors:
+    def moved_anchors(self, st: States, lane, r, comp, new: Anchors) -> Anchors:
         """Working anchors of ``comp`` after its upstream moved (computed once per anchor)."""
         names = [a.name for a in comp.anchors]
         new.update(self.working(st, lane, r, [a for a in names if a not in new]))

@@ -9,8 +9,12 @@ derived merge, finalize, then the per-element outputs in a second pass.  The spl
 variant stores each piece's state in a workspace and merges the pieces; the
 unfused variant runs one such loop nest per reduction.
 
+What one component does in each of these steps is its family's (``lowering.families``:
+a lowering registered per family and backend); the emitter walks the components and asks
+``lowering_for``, and holds what the families share (lookups, anchors, re-anchoring).
+
 The laws of ``algebra.components`` are kept: each re-anchored state is held at its
-*working* anchors (``algebra.components.working_value``), kept in registers of their
+*working* anchors (``algebra.state.working_value``), kept in registers of their
 own next to the state, and settled to the true final anchors at finalize with IEEE
 arithmetic; an unmoved anchor keeps the state (Select on equality, so -inf - -inf is
 never used) and a factor or state that is exactly 0 gives 0 (``_mul0``).
@@ -22,19 +26,15 @@ from contextlib import contextmanager
 
 import sympy as sp
 
-from algebra.cascade import INDEX, LENGTH
-from algebra.components import (
-    LinearComponent,
-    SelectComponent,
-    guarded_anchors,
-    primed,
-)
+from algebra.cascade import INDEX, LENGTH, carries_feature_axis
 from algebra.rule import FusionRule
+from algebra.state import guarded_anchors, primed
 
 from ..tvm.ir import LEAVES, T, tirx
 from .anchors import AnchorSteps, at
+from .families import Element, FamilyLowering, Join, lowering_for
 from .fastmath import statement_lets
-from .geometry import Geometry, is_one, is_streamed, is_vec, same_rows
+from .geometry import Geometry, is_one, is_streamed, same_rows
 from .invariants import rule_dots, rule_scores, split_invariant, with_scores
 from .masks import MaskSteps
 from .outputs import OutputSteps
@@ -66,14 +66,15 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
     ``exp(s - m)`` terms see the same rounded s."""
 
     def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict,
-                 simd: int = 1, scratch: str = "local", rounded=None, scores=None):
+                 simd: int = 1, scratch: str = "local", rounded=None, scores=None,
+                 backend: str | None = None):
         self.dot_list = rule_dots(rule)
         rule, self.scores = with_scores(rule, rule_scores(rule) if scores is None else scores)
         self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
         self.rounded = rounded or (lambda v: v)
         # what varies over the feature axis: those values, and the scores that read them
         self.vec = frozenset(geo.vec) | {k for k, e in self.scores.items()
-                                         if is_vec(e, set(geo.vec))}
+                                         if carries_feature_axis(e, set(geo.vec))}
         self.rowvals = rowvals  # per-row values other than inputs: name -> (buffer, width)
         self.anchor_names = working_anchors(rule)
         self.components, self.aliases = folded(rule)
@@ -83,6 +84,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
                                  ({LENGTH} if not geo.static or geo.n else set()))
         self.assumed: dict = {}  # condition -> sympy true/false (``assuming``)
         self.simd, self.scratch = simd, scratch
+        self.backend = backend  # which registered family lowerings apply (None: defaults)
         # id(component) -> [(column, buffer, its row index: None for the kernel's row)]
         self.stashed: dict[int, list] = {}
         self.stash_end = 0  # elements [0, stash_end) of each row hold stashed values
@@ -187,60 +189,37 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
             half //= 2
         return acc[0]
 
-    def _count(self, st: States, lane):
+    def count_before(self, st: States, lane):
         """The lane's count before this step (None when the rule keeps no count)."""
         return T.bind(st.get(st.count, lane)) if st.count in st.bufs else None
 
     def update(self, st: States, lane, i, r):
+        """Fold element i of row r into the lane: each component by its family's lowering."""
         dots = self.dots(r, i)
         old, moved = self.held(st, lane, self.anchor_names), {}
-        count = self._count(st, lane)
+        count = self.count_before(st, lane)
         if count is not None:
             st.set(st.count, lane, count + const(1))
+        step = Element(lane, i, r, dots, old, moved, count)
         for comp in self.components:
-            if isinstance(comp, LinearComponent):
-                new = self._moved(st, lane, r, comp, moved)
-                self._linear(st, comp, [(lane, old, count)], lane, new, r,
-                             self.fresh(comp, r, i, new, dots))
-            else:
-                self._fold_other(st, comp, lane, i, r, dots)
+            self.lowering(comp).update(self, st, comp, step)
         self.hold(st, lane, moved)
 
     def tile_step(self, st: States, comp, lane, i, r, dots=None, basis=None):
         """Fold element i into ``comp`` of a tile whose upstream components are complete:
         the anchors are final for the tile (held by ``hold_for``), so A = I and the step is
         the plain update.  ``basis``: (basis, values) precomputed by ``tile_bases``."""
-        if isinstance(comp, LinearComponent):
-            anchors = self.held(st, lane, [a.name for a in comp.anchors])
-            cols = [c.name for c in comp.columns]
-            width = max(st.widths.get(c, 1) for c in cols)
-            fresh = self.fresh(comp, r, i, anchors, dots or {}, basis)
-            stash = {k: (buf, row) for k, buf, row in self.stashed.get(id(comp), ())}
-            with self.slots(width) as slot:
-                for k, (c, value) in enumerate(zip(cols, fresh(slot), strict=True)):
-                    if k in stash:  # the basis value is also the output's first factor
-                        value = T.bind(value)
-                        buf, row = stash[k]
-                        T.buffer_store(buf, value, [r if row is None else row, i, slot])
-                    if c != st.count:
-                        st.set(c, lane, st.get(c, lane, slot) + value, slot)
-        else:
-            self._fold_other(st, comp, lane, i, r, dots or {})
+        self.lowering(comp).tile_step(self, st, comp, Element(lane, i, r, dots or {}), basis)
 
-    def _fold_other(self, st: States, comp, lane, i, r, dots):
-        """Fold element i into a selection (insert it) or a product (multiply it in): the
-        same step inside and outside tiles, since neither is re-anchored."""
-        if isinstance(comp, SelectComponent):
-            self._select_insert(st, comp, lane, lambda slot: (
-                self.expr(comp.core, self.base_lookup(r, i, slot, dots)), tirx.Cast(I64, i)),
-                ascending=True)
-            return
-        name = comp.state[0].symbol.name
-        with self.slots(st.widths[name]) as slot:
-            st.set(name, lane, st.get(name, lane, slot) *
-                   self.expr(comp.factor, self.base_lookup(r, i, slot, dots)), slot)
+    def merge_select(self, st: States, comp, a, b):
+        """Lane a <- the selection of lanes a and b (a tile's best shared between lanes)."""
+        self.lowering(comp).merge(self, st, comp, Join(a, b))
 
-    def fresh(self, comp, r, i, anchors, dots, pre=None):
+    def lowering(self, comp) -> FamilyLowering:
+        """The lowering of ``comp``'s family on this emitter's backend."""
+        return lowering_for(comp, self.backend)
+
+    def basis_values(self, comp, r, i, anchors, dots, pre=None):
         """slot -> the element's basis values; parts that are the same for every slot of a
         feature vector (attention's exp(s - m)) are bound once, before the slot loop (or
         come precomputed: ``pre`` = (basis, values))."""
@@ -270,7 +249,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
             with T.serial(0, width) as slot:
                 yield slot
 
-    def _linear(self, st, comp, sources, lane_out, new, r, fresh):
+    def reanchor_add(self, st, comp, sources, lane_out, new, r, fresh):
         """S_out = sum over sources (lane, anchors) of A(anchors -> new) S_lane [+ fresh]."""
         cols = [c.name for c in comp.columns]
         width = max(st.widths.get(c, 1) for c in cols)
@@ -334,30 +313,15 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         ``tile``: b is a tile, whose top-k lists were folded straight into a (``direct``)."""
         left, right = self.held(st, a, self.anchor_names), self.held(st, b, self.anchor_names)
         moved = {}
-        n_a, n_b = self._count(st, a), self._count(st, b)
+        n_a, n_b = self.count_before(st, a), self.count_before(st, b)
         if n_a is not None:
             st.set(st.count, a, n_a + n_b)
+        join = Join(a, b, r, left, right, moved, n_a, n_b, aligned)
         for comp in self.components:
-            if tile and direct(comp):
+            if tile and self.lowering(comp).direct:
                 continue
-            if isinstance(comp, LinearComponent) and aligned:
-                self._add(st, comp, a, b)
-            elif isinstance(comp, LinearComponent):
-                new = self._moved(st, a, r, comp, moved)
-                self._linear(st, comp, [(a, left, n_a), (b, right, n_b)], a, new, r, None)
-            elif isinstance(comp, SelectComponent):
-                self.merge_select(st, comp, a, b)
-            else:
-                name = comp.state[0].symbol.name
-                with self.slots(st.widths[name]) as slot:
-                    st.set(name, a, st.get(name, a, slot) * st.get(name, b, slot), slot)
+            self.lowering(comp).merge(self, st, comp, join)
         self.hold(st, a, moved)
-
-    def _add(self, st: States, comp, a, b):
-        cols = [c.name for r, c in enumerate(comp.columns) if not comp.counts(r)]
-        with self.slots(max(st.widths.get(c, 1) for c in cols)) as slot:
-            for c in cols:
-                st.set(c, a, st.get(c, a, slot) + st.get(c, b, slot), slot)
 
     def finalize(self, st: States, r, results: dict):
         """Every result of the rule into its per-row buffer (name -> (buffer, width)), after
@@ -376,15 +340,11 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         self._finalize_folded(st, r, results)
 
     def _finalize_folded(self, st: States, r, results: dict):
-        self._mark_nans(st)
+        self.mark_nans(st)
         for comp in self.components:  # in dependence order: a recomputed value is an anchor
-            if isinstance(comp, LinearComponent) and comp.anchors:
-                self._settle(st, comp, r)
-                if comp.reduction.op == "sum":
-                    self._recompute(st, comp, r)
+            self.lowering(comp).settle(self, st, comp, r)
         for comp in self.components:
-            if isinstance(comp, SelectComponent) and comp.anchors:
-                self._reselect(st, comp, r)
+            self.lowering(comp).reselect(self, st, comp, r)
         for name, expr in self.rule.running.items():
             if name not in results:
                 continue
@@ -401,7 +361,7 @@ def folded(rule: FusionRule) -> tuple[list, dict[str, str]]:
     not folded a second time.  The twin takes the place of the first selection it stands in
     for: a tile folds its anchors level by level, so ``m = max(x)`` read as
     ``argmax(x)``'s best must still be folded before the sums anchored on it."""
-    selects = [c for c in rule.components if isinstance(c, SelectComponent)]
+    selects = [c for c in rule.components if c.family.selects]
     twins = {id(c): t for c in selects for t in selects
              if len(c.state) == 1 and len(t.state) == 2 and
              (t.core, t.direction, t.k) == (c.core, c.direction, c.k)}
@@ -415,13 +375,6 @@ def folded(rule: FusionRule) -> tuple[list, dict[str, str]]:
             placed.add(id(c))
     return order, aliases
 
-
-def direct(comp) -> bool:
-    """A top-k list is folded straight into the running lane, never in a tile of its own: it
-    is not re-anchored, so a tile would gain nothing, and a tile's empty list would take
-    almost every element (k of each tile's elements at least) where the running list
-    refuses most with one test against its k-th entry."""
-    return isinstance(comp, SelectComponent) and comp.k > 1
 
 
 def _matrix_items(comp):

@@ -6,7 +6,7 @@ bit reinterpretation, so LLVM emits plain vector code with no libm calls.  Each 
 float32 ``PrimExpr`` (or a Python number) and returns one; intermediates are bound with
 expression-level ``tirx.Let``.  Polynomials are Cephes' single-precision ones (S. Moshier);
 the errors quoted were measured against float64 numpy on an FMA target (``cpu_target()``)
-by tests/test_fastmath.py.
+by tests/lowering/test_fastmath.py.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def as_written(x):
     ``x - x`` to 0 and ``x == x`` to true for floats, where inf and NaN make both wrong): the
     value round-trips through its integer bits, which no rewrite rule undoes.  The spec
     parser wraps one operand of every operation that sympy would have folded
-    (``algebra.functions.AsWritten``)."""
+    (``algebra.ieee.AsWritten``)."""
     return tirx.reinterpret(F32, tirx.reinterpret("int32", x))
 
 

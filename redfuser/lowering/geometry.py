@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from math import prod
 
 import numpy as np
-import sympy as sp
 
-from algebra.components import Component, LinearComponent, SelectComponent
-from algebra.functions import Dot
+from algebra.cascade import carries_feature_axis
+from algebra.families import element_exprs
 from algebra.layout import Layout, resolve
 from algebra.rule import FusionRule
 
@@ -150,24 +149,6 @@ def symbolic_geometry(rule: FusionRule, geo: Geometry, rows: tuple, n) -> Geomet
     return Geometry(tuple(rows), n, geo.d, inputs, geo.vec)
 
 
-def is_vec(expr: sp.Expr, vec: set[str]) -> bool:
-    """Does ``expr`` carry the feature axis? A dot product collapses it."""
-    if isinstance(expr, Dot):
-        return False
-    if expr.is_Symbol:
-        return expr.name in vec
-    return any(is_vec(a, vec) for a in expr.args)
-
-
-def component_exprs(comp: Component) -> list[sp.Expr]:
-    """The per-element expressions a component evaluates."""
-    if isinstance(comp, LinearComponent):
-        return list(comp.basis)
-    if isinstance(comp, SelectComponent):
-        return [comp.core]
-    return [comp.factor]
-
-
 def geometry(rule: FusionRule, layout: Layout) -> Geometry:
     """Shapes and feature-axis flags of ``rule`` called on inputs resolved to ``layout``."""
     rank = len(layout.rows)
@@ -178,10 +159,10 @@ def geometry(rule: FusionRule, layout: Layout) -> Geometry:
     vec = {k for k, g in inputs.items() if g.width > 1}
     for comp in rule.components:
         anchors_vec = any(a.name in vec for a in comp.anchors)
-        if anchors_vec or any(is_vec(e, vec) for e in component_exprs(comp)):
+        if anchors_vec or any(carries_feature_axis(e, vec) for e in element_exprs(comp)):
             vec |= {s.symbol.name for s in comp.state}
         for name, expr in rule.running.items():
-            if is_vec(expr, vec - {rule.count.name}):
+            if carries_feature_axis(expr, vec - {rule.count.name}):
                 vec.add(name)
     return Geometry(tuple(layout.rows), layout.n, layout.d or 1, inputs, frozenset(vec))
 

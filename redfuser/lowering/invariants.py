@@ -9,11 +9,9 @@ import dataclasses
 import sympy as sp
 from sympy.logic.boolalg import Boolean
 
-from algebra.components import LinearComponent, ProductComponent, SelectComponent
+from algebra.families import element_exprs, with_element_exprs
 from algebra.functions import Dot, Where
 from algebra.rule import FusionRule
-
-from .geometry import component_exprs
 
 
 def split_invariant(exprs, varying: set, per_slot: bool = True):
@@ -57,7 +55,7 @@ def _names_outside_dots(e: sp.Expr) -> set[str]:
 
 def rule_dots(rule: FusionRule) -> list:
     """Every dot product the rule's components evaluate per element, in a fixed order."""
-    return sorted({d for c in rule.components for e in component_exprs(c)
+    return sorted({d for c in rule.components for e in element_exprs(c)
                    for d in e.atoms(Dot)}, key=str)
 
 
@@ -69,7 +67,7 @@ def rule_scores(rule: FusionRule) -> tuple[sp.Expr, ...]:
     subtraction the other time (an FMA), and at |s| = 1e6 the two differ by 0.5."""
     found = set()
     for comp in rule.components:
-        if isinstance(comp, SelectComponent):
+        if comp.family.selects:
             found |= _computed(comp.core)
     return tuple(sorted(found, key=str))
 
@@ -126,10 +124,4 @@ def _replaced(e: sp.Expr, order) -> sp.Expr:
 
 
 def _substituted(comp, sub):
-    if isinstance(comp, LinearComponent):
-        return dataclasses.replace(comp, basis=tuple(sub(b) for b in comp.basis), _cache={})
-    if isinstance(comp, SelectComponent):
-        return dataclasses.replace(comp, core=sub(comp.core), _cache={})
-    if isinstance(comp, ProductComponent):
-        return dataclasses.replace(comp, factor=sub(comp.factor), _cache={})
-    return comp
+    return with_element_exprs(comp, tuple(sub(e) for e in element_exprs(comp)))

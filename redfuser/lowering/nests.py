@@ -3,10 +3,7 @@ stages, and the final store of per-row results computed from earlier ones."""
 
 from __future__ import annotations
 
-import dataclasses
-
-from algebra.components import SelectComponent
-from algebra.derive import derive_components, running_values
+from algebra.analysis import unfused_rules
 from algebra.rule import FusionRule
 
 from ..tvm.ir import T
@@ -32,34 +29,14 @@ def copy_state(st: States, work: dict, lane, row, to_work: bool):
                 T.buffer_store(st.bufs[name], buf[row, w], [lane, w])
 
 
-def stage_rule(rule: FusionRule, index: int) -> FusionRule:
-    """Reduction ``index`` alone, reading earlier results as per-row parameters.  A
-    selection keeps the fused rule's component: ``argtopk(exp(x - m) / d)`` ranks ``x``
-    (the monotone commutation), since the float32 values of the body tie where the float64
-    oracle's do not (exp(-1e-11) rounds to 1), and selects again over the body where an
-    anchor is not finite, as the fused kernel does."""
-    c = rule.cascade
-    red = dataclasses.replace(c.reductions[index], anchors=())
-    cascade = dataclasses.replace(c, reductions=(red,), epilogues={}, elementwise={},
-                                  outputs=(red.name,))
-    fused = next(comp for comp in rule.components if comp.reduction.name == red.name)
-    if not isinstance(fused, SelectComponent):
-        comps = derive_components(cascade)
-        return FusionRule(cascade, comps, running_values(cascade, comps), ())
-    # its anchors are the earlier passes' final values: read as themselves (per-row values)
-    alone = dataclasses.replace(fused, anchors=())  # finalize reads them as symbols
-    running = {**running_values(cascade, (alone,)), **{a.name: a for a in fused.anchors}}
-    return FusionRule(cascade, (fused,), running, ())
-
-
-def stages(rule: FusionRule, geo: Geometry):
+def unfused_passes(rule: FusionRule, geo: Geometry):
     """The unfused baseline's passes, in order: (stage rule, {name: its result buffer},
     per-row values it may read); each result buffer is allocated just before its pass."""
     tmp = {}
     for k, red in enumerate(rule.cascade.reductions):
         width = result_width(rule, geo, red.name)
         tmp[red.name] = (T.alloc_buffer((geo.r, width), result_dtype(rule, red.name)), width)
-        yield stage_rule(rule, k), {red.name: tmp[red.name]}, epilogue_values(rule, tmp)
+        yield unfused_rules(rule)[k], {red.name: tmp[red.name]}, epilogue_values(rule, tmp)
 
 
 def epilogue_values(rule: FusionRule, tmp: dict) -> dict:

@@ -11,7 +11,7 @@ from algebra.stash import tile_anchor
 
 from ..tvm.ir import T, tirx
 from .geometry import is_streamed
-from .registers import States, work
+from .registers import States, working
 
 STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
 # user's name)
@@ -32,7 +32,7 @@ class OutputSteps:
         """Bind the anchors the stashed values were written at (lane 0's working anchors,
         before anything folded later moves them)."""
         comps = [c for c in self.rule.components if id(c) in self.stashed]
-        self.stash_anchors = {tile_anchor(a, self.rule.cascade): T.bind(st.get(work(a.name), 0))
+        self.stash_anchors = {tile_anchor(a, self.rule.cascade): T.bind(st.get(working(a.name), 0))
                               for c in comps for a in c.anchors}
 
     def _per_row(self, expr: sp.Expr, r, varying: frozenset = frozenset(), known=None):

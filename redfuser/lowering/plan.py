@@ -11,6 +11,19 @@ from dataclasses import dataclass
 
 VARIANTS = ("rolling", "split", "unfused")  # of a one-pass rule (what the tuner searches)
 STAGED_VARIANT = "resident"  # a staged rule's stages over each row (``lowering.staged``)
+# The schedule space every target shares (each target's own parameters: ``Backend.params``)
+GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc", "nt")  # 0: no GEMM micro-kernel
+SPLIT_VALUES = (2, 4, 8, 16, 32, 64)
+MIN_PIECE = 32  # elements of a split piece: shorter ones cost more to merge than they save
+
+
+@dataclass(frozen=True)
+class Param:
+    """One searched parameter of a variant: its values (one value: fixed) and why."""
+
+    name: str
+    values: tuple[int, ...]
+    why: str
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def _names(e: sp.Expr) -> set[str]:
 # (condition a component must meet, why a component failing it is no matrix product)
 CONDITIONS: tuple[tuple[Callable[[object, Geometry], bool], str], ...] = (
     (lambda c, geo: geo.n > 0, "the stream is empty"),
-    (lambda c, geo: isinstance(c, LinearComponent), "not a sum"),
+    (lambda c, geo: c.family.linear, "not a sum"),
     (lambda c, geo: len(c.columns) == 1 and not c.counts(0), "more than one column"),
     (lambda c, geo: c.matrix == sp.eye(1), "its state is re-anchored during the pass"),
     (lambda c, geo: len(_weights(c, geo)) == 1,
@@ -117,6 +117,6 @@ def without(rule: FusionRule, found: tuple[Product, ...]) -> FusionRule:
     keep = tuple(c for c in rule.components if id(c) not in comps)
     running = {k: e for k, e in rule.running.items() if not _names(e) & states}
     owners = [c for c in rule.components for _ in c.obligations]
-    # the proof status of the kept obligations (an unfused stage's rule carries none)
+    # the proof status of the kept obligations (an unfused pass's rule carries none)
     status = tuple(ok for c, ok in zip(owners, rule.status, strict=False) if id(c) not in comps)
     return FusionRule(rule.cascade, keep, running, status, rule.name)

@@ -2,7 +2,7 @@
 mark of every plain max/min.
 
 A working anchor is the value a re-anchored state is currently held at (the running
-anchor where usable, else a fallback: ``algebra.components.working_value``); it travels
+anchor where usable, else a fallback: ``algebra.state.working_value``); it travels
 with the state into split workspaces and CUDA shared memory like any other register.  A
 plain max/min folds
 with the target's own float max (NaN may be dropped: TVM compiles with LLVM's
@@ -13,8 +13,9 @@ of a NaN-ordered select); finalize turns a marked value into NaN.
 
 from __future__ import annotations
 
-from algebra.components import INDEX_SENTINEL, LinearComponent, SelectComponent, StateVar
+from algebra.families import Family
 from algebra.rule import FusionRule
+from algebra.state import INDEX_SENTINEL, StateVar
 
 from ..tvm.ir import T, tirx
 from .geometry import Geometry
@@ -26,11 +27,11 @@ NAN_BITS = 0x7F800000  # |bits| of +inf: a float32 whose |bits| exceed it is NaN
 
 def working_anchors(rule: FusionRule) -> list[str]:
     """Anchors that re-anchored (linear) states are held at: each gets a register."""
-    return sorted({a.name for c in rule.components if isinstance(c, LinearComponent)
+    return sorted({a.name for c in rule.components if c.family.linear
                    for a in c.anchors})
 
 
-def work(anchor: str) -> str:
+def working(anchor: str) -> str:
     """Name of the register holding ``anchor``'s working value."""
     return f"{anchor}@work"
 
@@ -38,7 +39,7 @@ def work(anchor: str) -> str:
 def nan_marked(rule: FusionRule) -> list[str]:
     """The plain max/min states (one value, no index): each gets a NaN mark."""
     return [c.state[0].symbol.name for c in rule.components
-            if isinstance(c, SelectComponent) and c.k == 1 and len(c.state) == 1]
+            if c.family is Family.EXTREME]
 
 
 def nan_mark(state: str) -> str:
@@ -55,7 +56,7 @@ def registers(rule: FusionRule, geo: Geometry) -> dict[str, tuple[int, str, str,
         out[s.symbol.name] = (register_width(rule, geo, s), I64 if s.kind.is_index else F32,
                               s.kind, s.init)
     for a in working_anchors(rule):
-        out[work(a)] = (geo.width(a), F32, None, 0)  # kind None: an anchor, not a state
+        out[working(a)] = (geo.width(a), F32, None, 0)  # kind None: an anchor, not a state
     for name in nan_marked(rule):
         out[nan_mark(name)] = (out[name][0], I32, None, 0)
     return out

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from algebra.components import StateKind
+from algebra.cascade import carries_feature_axis
 from algebra.laws import LAWS
 from algebra.rule import FusionRule
+from algebra.state import StateKind
 
-from .geometry import Geometry, is_vec
+from .geometry import Geometry
 
 F32, I32, I64 = "float32", "int32", "int64"
 
@@ -74,7 +75,8 @@ def signature(rule: FusionRule, geo: Geometry, keep: frozenset | None = None) ->
     outputs, internal = [], []
     for name in rule.outputs:
         if name in rule.cascade.elementwise:
-            width = geo.d if is_vec(rule.cascade.elementwise[name], set(geo.vec)) else 1
+            wide = carries_feature_axis(rule.cascade.elementwise[name], set(geo.vec))
+            width = geo.d if wide else 1
             outputs.append(Arg(name, (geo.r, geo.n, width), F32, elementwise=True))
         else:
             arg = Arg(name, (geo.r, result_width(rule, geo, name)), result_dtype(rule, name))
@@ -129,12 +131,28 @@ def call_shape(rule: FusionRule, geo: Geometry, arg: Arg, is_input: bool) -> tup
         g = geo.inputs[arg.name]
         streamed = any(s.name == arg.name for s in rule.cascade.streams)
         return (*g.rows, *((g.length,) if streamed else ()), *feature(g.width > 1))
-    if arg.elementwise:
-        return (*geo.rows, geo.n, *feature(arg.width > 1))
-    shape = rule.cascade.shapes.get(arg.name)
+    return output_shape(rule, arg.name, geo.rows, geo.n, feature(arg.width > 1))
+
+
+def output_shape(rule: FusionRule, name: str, rows: tuple, n, feature: tuple) -> tuple:
+    """The shape of output ``name`` with row axes ``rows``, stream length ``n`` and feature
+    axis ``feature`` (``(D,)`` or ``()``): (*rows, N, *feature) for a per-element output,
+    (*rows, k) for a top-k, else (*rows, *feature).  The one place an output's shape is
+    worked out (``call_shape``'s kernel view, the user's shape of ``redfuser.call``).
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> rule = redfuser.derive("moe_routing")
+    >>> output_shape(rule, "e", (2, 3), 256, ()), output_shape(rule, "m", (2, 3), 256, ())
+    ((2, 3, 8), (2, 3))
+    """
+    if name in rule.cascade.elementwise:
+        return (*rows, n, *feature)
+    shape = rule.cascade.shapes.get(name)
     if shape is not None and shape.k:
-        return (*geo.rows, shape.k)
-    return (*geo.rows, *feature(arg.width > 1))
+        return (*rows, shape.k)
+    return (*rows, *feature)
 
 
 def call_shapes(rule: FusionRule, geo: Geometry, keep: frozenset | None = None) -> list[tuple]:

@@ -4,13 +4,14 @@ each module readable)."""
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import sympy as sp
 
 from algebra.cascade import LENGTH
-from algebra.components import INDEX_SENTINEL, primed
 from algebra.rule import empty_results
+from algebra.state import INDEX_SENTINEL, primed
 
 from ..tvm.ir import LEAVES, T, tirx
 from .anchors import at
@@ -37,7 +38,7 @@ def any_of(conds):
 
 
 class SelectSteps:
-    def _better(self, comp, v, j, sv, sj):
+    def better(self, comp, v, j, sv, sj):
         """(v, j) ranks before (sv, sj): NaN first (NaN wins a selection, as np.max and
         np.argmax), then the better value, then the lower index; an empty slot (index
         sentinel) takes anything.  The same order as algebra.components.rank_order."""
@@ -51,7 +52,7 @@ class SelectSteps:
         by_value = tirx.And(tirx.Not(nan_s), tirx.Or(gt, tirx.And(v == sv, lower)))
         return tirx.Or(empty, tirx.Or(by_nan, by_value))
 
-    def _fold_best(self, st: States, comp, lane, v, slot):
+    def fold_best(self, st: States, comp, lane, v, slot):
         """A plain max/min: the target's own float max (one operation; it may drop a NaN,
         TVM compiles with NoNaNsFPMath) and the NaN mark, the largest |bits| folded (two
         integer operations; see ``registers``)."""
@@ -68,26 +69,16 @@ class SelectSteps:
         empty = sj == tirx.const(INDEX_SENTINEL, I64)
         return tirx.Or(empty, tirx.And(tirx.Not(isnan(sv)), tirx.Or(isnan(v), gt)))
 
-    def _select_insert(self, st: States, comp, lane, candidate, ascending: bool = False):
-        """Insert ``candidate(slot)`` = (value, index or None) into lane ``lane``; a k = 1
-        selection per slot of its feature vector (max(v[i, :]) is one max per feature).
-        ``ascending``: see ``_insert_k``."""
-        vname, jname = _names(comp)
-        if comp.k == 1:
-            with self.slots(st.widths[vname]) as slot:
-                v, j = candidate(slot)
-                if jname is None:
-                    self._fold_best(st, comp, lane, v, slot)
-                else:
-                    sv, sj = T.bind(st.get(vname, lane, slot)), T.bind(st.get(jname, lane, slot))
-                    b = self._better(comp, v, j, sv, sj)  # not let-bound: TVM cannot bind boolx16
-                    st.set(vname, lane, tirx.Select(b, v, sv), slot)
-                    st.set(jname, lane, tirx.Select(b, j, sj), slot)
-            return
-        v, j = candidate(0)
-        self._insert_k(st, comp, lane, v, j, vname, jname, ascending)
+    def keep_better(self, st: States, comp, lane, v, j, slot):
+        """An argmax/argmin step at ``slot``: (v, j) replaces the lane's (value, index) where
+        it ranks before them (``better``)."""
+        vname, jname = names_of(comp)
+        sv, sj = T.bind(st.get(vname, lane, slot)), T.bind(st.get(jname, lane, slot))
+        b = self.better(comp, v, j, sv, sj)  # not let-bound: TVM cannot bind boolx16
+        st.set(vname, lane, tirx.Select(b, v, sv), slot)
+        st.set(jname, lane, tirx.Select(b, j, sj), slot)
 
-    def _insert_k(self, st, comp, lane, v, j, vname, jname, ascending: bool):
+    def insert_k(self, st, comp, lane, v, j, vname, jname, ascending: bool):
         """Insert (v, j) into a sorted top-k list.  Most elements do not rank before the last
         slot and are refused by that one test; for the rest, the slots that rank before the
         element form a prefix (the list is sorted), so every slot t at once keeps its entry,
@@ -100,7 +91,7 @@ class SelectSteps:
         def old(name, t):
             return st.get(name, lane, t) if name else None
 
-        first = self._before_last if ascending and jname else self._better  # the cheap test
+        first = self._before_last if ascending and jname else self.better  # the cheap test
         with T.If(first(comp, v, j, old(vname, last), old(jname, last))), T.Then():
             new = {n: T.alloc_buffer((k,), I64 if n == jname else F32, scope=self.scratch)
                    for n in (vname, jname) if n}
@@ -112,8 +103,8 @@ class SelectSteps:
                     if name is None:
                         continue
                     # conditions inline: TVM cannot let-bind a vector of booleans
-                    keep = self._better(comp, old(vname, t), old(jname, t), v, j)
-                    came = tirx.Or(t == 0, self._better(comp, old(vname, prev),
+                    keep = self.better(comp, old(vname, t), old(jname, t), v, j)
+                    came = tirx.Or(t == 0, self.better(comp, old(vname, prev),
                                                         old(jname, prev), v, j))
                     T.buffer_store(new[name], tirx.Select(keep, old(name, t), tirx.Select(
                         came, mine, old(name, prev))), [t])
@@ -121,24 +112,7 @@ class SelectSteps:
                 for name, buf in new.items():
                     st.set(name, lane, buf[t], t)
 
-    def merge_select(self, st: States, comp, a, b):
-        """Lane a <- the selection of lanes a and b (NaN marks combine by their max)."""
-        vname, jname = _names(comp)
-        if comp.k == 1 and jname is None:
-            mark = nan_mark(vname)
-            with self.slots(st.widths[vname]) as slot:
-                st.set(vname, a, _pick(comp)(st.get(vname, a, slot), st.get(vname, b, slot)),
-                       slot)
-                st.set(mark, a, tirx.max(st.get(mark, a, slot), st.get(mark, b, slot)), slot)
-        elif comp.k == 1:
-            self._select_insert(st, comp, a, lambda slot: (st.get(vname, b, slot),
-                                                           st.get(jname, b, slot)))
-        else:
-            with T.serial(0, comp.k) as t:
-                self._select_insert(st, comp, a, lambda _, t=t: (
-                    st.get(vname, b, t), st.get(jname, b, t) if jname else None))
-
-    def _mark_nans(self, st: States):
+    def mark_nans(self, st: States):
         """Finalize of the plain max/min states: NaN where a NaN was folded (NaN wins a
         selection, as in np.max)."""
         for name in nan_marked(self.rule):
@@ -146,7 +120,7 @@ class SelectSteps:
                 st.set(name, 0, tirx.Select(st.get(nan_mark(name), 0, slot) > tirx.const(
                     NAN_BITS, I32), const(float("nan")), st.get(name, 0, slot)), slot)
 
-    def _reselect(self, st: States, comp, r):
+    def reselect(self, st: States, comp, r):
         """Finalize of an anchored selection (``SelectComponent.reselect``): where a final
         anchor is not finite, or a ``flat_factors`` entry of dF/du is 0 or not finite
         there, F(g, a) is flat or NaN in g (exp(x - NaN), (inf - inf)**3, 0 * -inf),
@@ -169,10 +143,10 @@ class SelectSteps:
                 sharp = tirx.And(isfinite(f), f != const(0))
                 T.buffer_store(flat, tirx.bitwise_or(flat[0], tirx.Select(
                     sharp, tirx.const(0, I32), tirx.const(1, I32))), [0])
-        vname, jname = _names(comp)
+        vname, jname = names_of(comp)
         width = st.widths[vname]
         with T.If(flat[0] != tirx.const(0, I32)), T.Then():
-            best = _List(width, self.scratch)  # registers of its own, with indices
+            best = _List(width, self.scratch, comp.direction)  # registers of its own
 
             def body(i, slot):
                 look = self.base_lookup(r, i, slot, {**self.dots(r, i), **at(true, slot)})
@@ -183,11 +157,11 @@ class SelectSteps:
                     with self.slots(width) as slot:
                         v, j = body(i, slot)
                         sv, sj = T.bind(best.get("v", 0, slot)), T.bind(best.get("j", 0, slot))
-                        b = self._better(comp, v, j, sv, sj)
+                        b = self.better(comp, v, j, sv, sj)
                         best.set("v", 0, tirx.Select(b, v, sv), slot)
                         best.set("j", 0, tirx.Select(b, j, sj), slot)
                 else:
-                    self._insert_k(best, comp, 0, *body(i, 0), "v", "j", ascending=True)
+                    self.insert_k(best, comp, 0, *body(i, 0), "v", "j", ascending=True)
             with T.serial(0, width) as t:  # serial: the core is read at chosen elements
                 j, slot = best.get("j", 0, t), t if comp.k == 1 else 0
                 look = self.base_lookup(r, j, slot, {**self.dots(r, j), **at(true, slot)})
@@ -205,7 +179,7 @@ class SelectSteps:
             c is comp or self.aliases.get(c.state[0].symbol.name) == vname)]
         return any(c.anchors for c in readers)
 
-    def _recompute(self, st: States, comp, r):
+    def recompute(self, st: States, comp, r):
         """Where a final anchor or a state of the re-anchored sum ``comp`` is not finite,
         its value (its first column) is folded again from the row as written, at the final
         anchors (a second pass, only in such rows).  The one-pass algebra is exact over
@@ -241,14 +215,16 @@ class SelectSteps:
 
 class _List:
     """A selection's values and indices in registers of their own (``States``' interface),
-    every index the sentinel at first: an empty slot takes anything."""
+    every slot empty at first: the index sentinel (an empty slot takes anything) and the
+    worst value, so that an empty slot never ranks before an element either (``better``
+    compares the values first: an empty 0 kept a later -inf out of a top-k list)."""
 
-    def __init__(self, width: int, scope: str):
+    def __init__(self, width: int, scope: str, direction: int):
         self.widths = {"v": width, "j": width}
         self.bufs = {"v": T.alloc_buffer((1, width), F32, scope=scope),
                      "j": T.alloc_buffer((1, width), I64, scope=scope)}
         with T.serial(0, width) as t:
-            T.buffer_store(self.bufs["v"], const(0), [0, t])
+            T.buffer_store(self.bufs["v"], const(-math.inf * direction), [0, t])
             T.buffer_store(self.bufs["j"], tirx.const(INDEX_SENTINEL, I64), [0, t])
 
     def get(self, name, lane, slot=0):
@@ -258,7 +234,7 @@ class _List:
         T.buffer_store(self.bufs[name], value, [lane, slot])
 
 
-def _names(comp) -> tuple[str, str | None]:
+def names_of(comp) -> tuple[str, str | None]:
     """A selection's value state and its index state (None for value-only)."""
     return comp.state[0].symbol.name, comp.state[1].symbol.name if len(comp.state) > 1 else None
 
@@ -286,7 +262,7 @@ class SettleSteps:
                     self.expr(expr, look)
                 T.buffer_store(buf, value, [r, slot])
 
-    def _settle(self, st: States, comp, r):
+    def settle(self, st: States, comp, r):
         """Move lane 0 of ``comp`` from its working anchors to the true ones with IEEE
         products (exp(-inf - -inf) = NaN as in the reference); where the shift is infinite
         and every column is finite, the highest power of it meeting a non-zero state

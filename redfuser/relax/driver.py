@@ -7,10 +7,9 @@ from ..report import FuseReport, GroupReport
 from ..tvm.graph import IRModule, module_pass, relax
 from ..tvm.target import current_target_kind
 from .bounds import tightened
-from .frag import Unliftable
 from .group import BindingGroup, form_groups, skipped_entries
 from .lift import Lifter
-from .rewrite import check_kernel, derive_spec, kernel_for, splice
+from .rewrite import check_kernel, derive_spec, kernel_for, splice_checked
 from .symbolic import fuse_symbolic, symbolic_vars
 
 ROUNDS = 4  # lift again with more matmuls kept outside, at most this often per block
@@ -119,18 +118,18 @@ def plan_block(func, block) -> tuple[Lifter, list[BindingGroup]]:
     keep a group from being derived, are kept as matmuls, lifted values that a consumer
     would recompute from its own inputs' ancestors are read back (``recomputed_reads``),
     and the block is lifted again."""
-    keep, leaves = frozenset(), frozenset()
+    materialised, leaves = frozenset(), frozenset()
     for _ in range(ROUNDS):
-        lifter = Lifter(func, block, keep, leaves).run()
+        lifter = Lifter(func, block, materialised, leaves).run()
         groups, retry = form_groups(lifter), set()
         for g in groups:
             retry |= g.elem_dots
             if not g.elem_dots and derive_spec(g.spec)[0] is None:
                 retry |= g.frag.dots
         reads = lifter.recomputed_reads()
-        if retry <= keep and reads <= leaves:
+        if retry <= materialised and reads <= leaves:
             break
-        keep, leaves = keep | retry, leaves | reads
+        materialised, leaves = materialised | retry, leaves | reads
     return lifter, groups
 
 
@@ -145,19 +144,8 @@ def apply_group(mod: IRModule, gv, index: int, group: BindingGroup, check_build:
     if rule is None:
         return mod, GroupReport(fused=False, reason=reason, **entry)
     name = _fresh(mod, f"redfuser_{fname}")
-    try:
-        kernel = _checked_kernel(group, rule, name, check_build, target)
-        bb = relax.BlockBuilder(mod.clone())
-        kgv = bb.add_func(kernel.func, name)
-        bb.update_func(gv, splice(bb.get()[gv], index, group, kgv, kernel))
-        candidate = bb.get()
-        relax.analysis.well_formed(candidate)
-    except Unliftable as e:
-        return mod, GroupReport(fused=False, reason=str(e), **entry)
-    except Exception as e:  # noqa: BLE001 - a TVM error keeps the original, with the reason
-        first = str(e).strip().splitlines()[-1:] or [""]
-        return mod, GroupReport(fused=False, reason=f"{type(e).__name__}: {first[0]}", **entry)
-    return candidate, GroupReport(fused=True, reason=str(kernel.plan), kernel=name, **entry)
+    return splice_checked(mod, gv, index, name, entry, lambda: (
+        _checked_kernel(group, rule, name, check_build, target), group))
 
 
 def _checked_kernel(group: BindingGroup, rule, name: str, check_build: bool, target: str):

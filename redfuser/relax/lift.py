@@ -176,19 +176,19 @@ class Lifter:
             raise Unliftable(f"a {node.kind} value {node.shape} read per element of {out}")
         return Operand(node.text, node.deps, fit(node.frag, frame), node.terms, node.dots)
 
-    def row(self, expr, out: tuple, keep: bool) -> Operand:
-        """``expr`` read once per row; ``out`` is the row value's shape (keep: trailing 1)."""
+    def row(self, expr, out: tuple, keepdims: bool) -> Operand:
+        """``expr`` read once per row; ``out`` is the row value's shape (keepdims: trailing 1)."""
         value = self.scalar(expr)
         if value is not None:
             return Operand(literal(value))
-        frame = out[:-1] if keep else out
+        frame = out[:-1] if keepdims else out
         node = self.node(expr)
         if node is None:
             ext = self.ext(expr)
             rows = pad_shape(ext.shape, len(out), out)
-            if keep and rows[-1] != 1:
+            if keepdims and rows[-1] != 1:
                 raise Unliftable(f"{ext.shape} is not one value per row")
-            ref, frag = self.input(ext, "param", False, rows[:-1] if keep else rows, frame, 0)
+            ref, frag = self.input(ext, "param", False, rows[:-1] if keepdims else rows, frame, 0)
             return Operand(ref, frozenset(), frag)
         if node.kind != "row" or pad_shape(node.shape, len(out), out) != tuple(out):
             raise Unliftable(f"{node.kind} value {node.shape} read as a row value {out}")

@@ -170,9 +170,9 @@ def elementwise(lf: Lifting, call, ty) -> Node:
         stmt, frag = _new(lf, template, ops, "epi", op, lf.combine(ops, out[:-1]))
         return Node("vec", frag, stmt.name, frozenset({stmt.name}), out)
     if context == "row":
-        keep = bool(out) and out[-1] == 1
-        ops = [lf.row(a, out, keep) for a in call.args]
-        frame = out[:-1] if keep else out
+        keepdims = bool(out) and out[-1] == 1
+        ops = [lf.row(a, out, keepdims) for a in call.args]
+        frame = out[:-1] if keepdims else out
         stmt, frag = _new(lf, template, ops, "epi", op, lf.combine(ops, frame))
         return Node("row", frag, stmt.name, frozenset({stmt.name}), out)
     ops = [lf.elem(a, out) for a in call.args]
@@ -357,8 +357,8 @@ def reshape(lf: Lifting, call, ty) -> Node:
     if out == node.shape:
         return node
     if node.kind == "row":
-        keep = bool(out) and out[-1] == 1 and len(out) > 1
-        frame = out[:-1] if keep else out
+        keepdims = bool(out) and out[-1] == 1 and len(out) > 1
+        frame = out[:-1] if keepdims else out
     elif out and out[-1] == (node.frag.n if node.kind == "elem" else node.shape[-1]):
         frame = out[:-1]
     else:

@@ -17,9 +17,10 @@ import numpy as np
 from algebra import NotFusable, SpecError, derive
 from algebra.layout import Layout
 
-from ..lowering import Geometry, backend, build_primfunc, choose, geometry, signature
+from ..lowering import Geometry, backend, build_primfunc, geometry, signature
 from ..lowering.signature import param_shape
-from ..tune.search import tuned_plan
+from ..plans import plan_for
+from ..report import GroupReport
 from ..tvm.graph import relax
 from ..tvm.ir import provably_equal, with_root_block
 from ..tvm.runtime import build
@@ -74,14 +75,13 @@ def kernel_for(group: BindingGroup, rule, name: str, tuned: bool = True,
     tuning database's plan for them when it has one (``redfuser tune --model``;
     ``tuned=False``: the hand-written plan)."""
     geo = group_geometry(group, rule)
-    plan = tuned_plan(rule, geo, target) if tuned else None
-    found = plan is not None
-    plan = plan or choose(rule, geo, target=target)
+    choice = plan_for(rule, geo, target, tune=None if tuned else False)
+    plan = choice.plan
     func = _relax_callee(build_primfunc(rule, geo, plan, name, target, keep=group.read))
     inputs = tuple((nm, group.frag.inputs[nm], (g.count, g.length, g.width))
                    for nm, g in sorted(geo.inputs.items()))
     outputs = tuple((a.name, a.shape, a.dtype) for a in signature(rule, geo, group.read).outputs)
-    return FusedFunc(name, func, inputs, outputs, plan, found, target)
+    return FusedFunc(name, func, inputs, outputs, plan, choice.tuned, target)
 
 
 def dynamic_kernel_for(group: BindingGroup, rule, name: str, dims,
@@ -91,7 +91,7 @@ def dynamic_kernel_for(group: BindingGroup, rule, name: str, dims,
     (``symbolic.py``); ``dims`` maps a probe-valued size back to its expression of the
     variables, for the call's shapes."""
     geo = group_geometry(group, rule)
-    plan = choose(rule, geo, target=target, dynamic=True)
+    plan = plan_for(rule, geo, target, dynamic=True).plan
     # static row axes stay static: fewer shape variables in every index (LLVM took 160 s
     # on attention with rows (1, H, L) all symbolic, 6 s with only L)
     fixed = frozenset(k for k, size in enumerate(geo.rows) if isinstance(dims(size), int))
@@ -123,6 +123,25 @@ def check_kernel(kernel: FusedFunc):
     """Compile the PrimFunc alone, for the target in scope (else its backend's default):
     a kernel TVM cannot build never enters the module."""
     build(kernel.func, target_in_scope() or backend(kernel.target).tvm_target())
+
+
+def splice_checked(mod, gv, index: int, name: str, entry: dict, make) -> tuple:
+    """(module, report) with the kernel ``make()`` returns, as (kernel, the group as the
+    function holds it), spliced into a copy of ``mod``: the copy only if it is well formed;
+    otherwise ``mod`` unchanged and the reason (an unliftable group, or TVM's last line)."""
+    try:
+        kernel, group = make()
+        bb = relax.BlockBuilder(mod.clone())
+        kgv = bb.add_func(kernel.func, name)
+        bb.update_func(gv, splice(bb.get()[gv], index, group, kgv, kernel))
+        candidate = bb.get()
+        relax.analysis.well_formed(candidate)
+    except Unliftable as e:
+        return mod, GroupReport(fused=False, reason=str(e), **entry)
+    except Exception as e:  # noqa: BLE001 - a TVM error keeps the original, with the reason
+        first = str(e).strip().splitlines()[-1:] or [""]
+        return mod, GroupReport(fused=False, reason=f"{type(e).__name__}: {first[0]}", **entry)
+    return candidate, GroupReport(fused=True, reason=str(kernel.plan), kernel=name, **entry)
 
 
 def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):

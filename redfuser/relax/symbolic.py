@@ -22,7 +22,13 @@ from ..report import GroupReport
 from ..tvm.graph import GenericConst, relax
 from .frag import Unliftable
 from .group import skipped_entries
-from .rewrite import check_kernel, derive_spec, dynamic_call_shapes, dynamic_kernel_for, splice
+from .rewrite import (
+    check_kernel,
+    derive_spec,
+    dynamic_call_shapes,
+    dynamic_kernel_for,
+    splice_checked,
+)
 
 PROBE_FROM = 11  # primes from here: model sizes are mostly products of 2, 3, 5 and 7
 RUNS = 2  # probe sets; a group must lift to the same spec and shapes at each
@@ -97,24 +103,16 @@ def _apply(mod, gv, index: int, fname: str, lifted: tuple, twins: list, runs, ho
     if rule is None:
         return mod, GroupReport(fused=False, reason=reason, **entry)
     name = fresh(mod, f"redfuser_{fname}")
-    try:
+
+    def make():
         kernel = _kernel(group, rule, name, probe, names, target)
         for twin, other in zip(twins, runs[1:], strict=True):
             _same_at_other_probes(kernel, group, twin, rule, other[0])
         if check_build:
             check_kernel(kernel)
-        bb = relax.BlockBuilder(mod.clone())
-        kgv = bb.add_func(kernel.func, name)
-        bb.update_func(gv, splice(bb.get()[gv], index, _original(group, probe, names), kgv,
-                                  kernel))
-        candidate = bb.get()
-        relax.analysis.well_formed(candidate)
-    except Unliftable as e:
-        return mod, GroupReport(fused=False, reason=str(e), **entry)
-    except Exception as e:  # noqa: BLE001 - a TVM error keeps the original, with the reason
-        first = str(e).strip().splitlines()[-1:] or [""]
-        return mod, GroupReport(fused=False, reason=f"{type(e).__name__}: {first[0]}", **entry)
-    return candidate, GroupReport(fused=True, reason=str(kernel.plan), kernel=name, **entry)
+        return kernel, _original(group, probe, names)
+
+    return splice_checked(mod, gv, index, name, entry, make)
 
 
 def _kernel(group, rule, name: str, probe: dict, names: dict, target: str):

@@ -17,7 +17,8 @@ import numpy as np
 
 from algebra.layout import Layout
 
-from ..lowering import backend, choose, geometry, signature
+from ..lowering import Geometry, Plan, backend, geometry, signature
+from ..plans import hand_written, plan_for
 from ..tvm.ir import (
     IRBuilder,
     Range,
@@ -54,10 +55,23 @@ def own_rows(access, rows: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def fused_stmt(group: Group, target: str, fast_math: bool = True):
-    """(statement, plan): the group's fused kernel over the original buffers."""
+    """(statement, plan): the group's fused kernel over the original buffers, following the
+    plan ``compile`` would (``plans.plan_for``: the tuning database's when it has one); a
+    tuned plan that does not emit here gives way to the hand-written one, as in a Kernel."""
+    geo = geometry(group.rule, layout_of(group))
+    choice = plan_for(group.rule, geo, target, fast_math=fast_math)
+    try:
+        return _emitted(group, geo, choice.plan, target), choice.plan
+    except Exception:  # noqa: BLE001 - a stale tuning record never stops the rewrite
+        if not choice.tuned:
+            raise
+    plan = hand_written(group.rule, geo, target, fast_math=fast_math)
+    return _emitted(group, geo, plan, target), plan
+
+
+def _emitted(group: Group, geo: Geometry, plan: Plan, target: str):
+    """The group's kernel of ``plan`` at ``geo`` as a statement over the original buffers."""
     rule, frame = group.rule, group.frame
-    geo = geometry(rule, layout_of(group))
-    plan = choose(rule, geo, target=target, fast_math=fast_math)
     by_name = {a.name: a for a in group.accesses}
     views: dict = {}  # placeholder -> (access, own rows)
 
@@ -82,7 +96,7 @@ def fused_stmt(group: Group, target: str, fast_math: bool = True):
             for a in sig.internal:  # results the function never reads again
                 results[a.name] = (T.alloc_buffer(a.shape, a.dtype), a.width)
             backend(target).variants[plan.variant](rule, geo, plan, bufs, results, elementwise)
-    return _remap(ib.get().body, views), plan
+    return _remap(ib.get().body, views)
 
 
 def _check_width(arg, access, frame) -> None:

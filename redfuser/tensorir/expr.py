@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import sympy as sp
 from sympy.printing.str import StrPrinter
 
-from algebra.functions import FUNCTIONS
 from algebra.laws import LAWS
+from algebra.vocabulary import FUNCTIONS
 
 from ..tvm.ir import Call, TensorLoad, tirx
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..lowering import backend
+from ..lowering import BACKENDS, backend
+from ..lowering.backends import backend_of_kind
 from ..report import FuseReport, GroupReport
 from ..tvm.graph import IRModule
 from ..tvm.ir import tirx, verify_sblock_func
@@ -22,7 +23,6 @@ from ..tvm.target import cpu_target
 from .emit import rewrite_group
 from .groups import Group, LiftError, lift
 
-TARGET_KINDS = {"cpu": "cpu", "llvm": "cpu", "c": "cpu", "cuda": "cuda"}
 MAX_GROUPS = 64  # per function: a bound on the lift-rewrite loop
 
 
@@ -84,10 +84,13 @@ def fuse(obj, target: str | dict = "cpu", *, report: bool = False, fast_math: bo
 
 def _target_kind(target) -> str:
     kind = target.get("kind") if isinstance(target, dict) else target
-    if kind not in TARGET_KINDS:
+    if kind in BACKENDS:  # a backend's own name
+        return kind
+    found = backend_of_kind(kind, rewrite=True) if isinstance(kind, str) and kind else None
+    if found is None:
         raise ValueError(f"target must be 'cpu', 'cuda' or a dict with kind llvm or cuda, "
                          f"not {target!r}")
-    return TARGET_KINDS[kind]
+    return found.name
 
 
 def _fuse_func(func, name, target, fast_math, verify) -> tuple:

@@ -15,11 +15,12 @@ timed through a ``measure`` callable (``runtime.time_plan`` unless a ``Kernel`` 
 """
 
 from ..lowering import shape_geometry  # re-exported: the search's users build geometries
+from ..lowering.plan import Param  # re-exported: a space's parameters
 from .cost import Estimate, predict
 from .db import TuningDB, cache_dir, entry_key, spec_key
 from .machine import Machine, machine, machine_id
 from .search import Trial, TuneResult, describe, model_plan, rank, tune, tuned_plan
-from .space import Param, Space, plan_from_params, plan_params, space
+from .space import Space, plan_from_params, plan_params, space
 from .store import DatabaseError
 from .work import Work, rule_work
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 
 from algebra.functions import Dot
 
-from ..lowering import Geometry, Plan, signature
+from ..lowering import Geometry, Plan, backend, signature
 from ..lowering.cpu.plan import LANES
-from ..lowering.cuda.plan import SMS
+from ..lowering.cuda.plan import Gpu
 from ..lowering.staged import RESIDENT
 from .machine import Machine
 from .work import RuleWork, Work, rule_work
@@ -78,7 +78,10 @@ def predict(rule, geo: Geometry, plan: Plan, machine: Machine, target: str = "cp
     >>> unfused.seconds > fused.seconds
     True
     """
-    return PREDICTORS[target](rule, geo, plan, machine, rule_work(rule, geo))
+    gpu, work = backend(target).gpu, rule_work(rule, geo)
+    if gpu is None:  # the host's CPU: rows over its threads in waves
+        return _predict_cpu(rule, geo, plan, machine, work)
+    return _predict_cuda(rule, geo, plan, machine, work, gpu)
 
 
 def _predict_cpu(rule, geo: Geometry, plan: Plan, machine: Machine, w: RuleWork) -> Estimate:
@@ -109,7 +112,7 @@ def _predict_cpu(rule, geo: Geometry, plan: Plan, machine: Machine, w: RuleWork)
 
 def _passes(rule, geo: Geometry, plan: Plan, w: RuleWork):
     """(the fold's counts, lanes, tile, streams read) of each stream pass of the plan; an
-    unfused stage reads earlier results as parameters: nothing to re-anchor."""
+    unfused pass reads earlier results as parameters: nothing to re-anchor."""
     streams = _stream_names(rule)
     out = [(w, plan.lanes, plan.tile, streams)]
     if plan.variant in ("unfused", RESIDENT):  # resident: the same passes, row by row
@@ -117,7 +120,7 @@ def _passes(rule, geo: Geometry, plan: Plan, w: RuleWork):
         for k, red in enumerate(rule.cascade.reductions):
             used = {s.name for s in red.body.free_symbols} & set(streams)
             alone = replace(w, fold=w.stages[k], reanchor=Work(), merge=Work(ops=1.0),
-                            chain=w.stage_chains[k], wide_states=float(red.name in geo.vec),
+                            chain=w.pass_chains[k], wide_states=float(red.name in geo.vec),
                             dots=float(len(red.body.atoms(Dot))))
             lanes = plan.lanes if w.stage_lanes[k] else 1
             out.append((alone, lanes, plan.tile, tuple(sorted(used))))
@@ -228,17 +231,15 @@ def _serial(work: Work, d: int, m: Machine) -> float:
         max(d, VECTOR)
 
 
-SM_THREADS, SYNC_S = 2048, 2e-8  # H100/H200: resident threads per SM, one barrier (s)
-
-
-def _predict_cuda(rule, geo: Geometry, plan: Plan, m: Machine, w: RuleWork) -> Estimate:
+def _predict_cuda(rule, geo: Geometry, plan: Plan, m: Machine, w: RuleWork,
+                  gpu: Gpu) -> Estimate:
     """One block of ``plan.threads`` per row (piece): the GPU is busy in proportion to the
     resident threads; each block ends with log2(threads) barrier-separated merge levels.
     ``m``'s figures are for the whole GPU (seconds per op and per byte at full occupancy)."""
     pieces = plan.splits if plan.variant == "split" else 1
     passes = len(w.stages) if plan.variant == "unfused" else 1
     blocks = geo.r * pieces
-    busy = min(1.0, blocks * plan.threads / (SMS * SM_THREADS / 2))
+    busy = min(1.0, blocks * plan.threads / (gpu.sms * gpu.sm_threads / 2))
     unique = _unique_bytes(geo, _stream_names(rule)) * passes
     if w.elementwise != Work():  # re-read, then write the per-element outputs
         unique += _unique_bytes(geo, _elementwise_streams(rule)) + \
@@ -247,10 +248,8 @@ def _predict_cuda(rule, geo: Geometry, plan: Plan, m: Machine, w: RuleWork) -> E
     per_element = work.ops + work.calls * CALL_DEPTH + (work.vops + work.vcalls) * geo.d
     compute = geo.r * geo.n * per_element * m.vec_op / busy
     memory = unique / m.bandwidth_at(unique) / busy
-    resident = SMS * max(1, min(32, SM_THREADS // plan.threads))
-    tree = math.log2(plan.threads) * (2 * SYNC_S + _serial(w.merge, geo.d, m))
+    resident = gpu.sms * max(1, min(gpu.sm_blocks, gpu.sm_threads // plan.threads))
+    tree = math.log2(plan.threads) * (2 * gpu.sync_s + _serial(w.merge, geo.d, m))
     overhead = m.launch * (passes + (pieces > 1)) + math.ceil(blocks / resident) * tree
     return Estimate(max(memory, compute) + overhead, memory, compute, overhead)
 
-
-PREDICTORS = {"cpu": _predict_cpu, "cuda": _predict_cuda}  # target -> its model

@@ -36,10 +36,10 @@ import numpy as np
 
 from algebra import derive
 
-from ..lowering import Plan, shape_geometry
+from ..lowering import Plan, backend, shape_geometry
 from ..lowering.cpu.plan import FOLD_LANES, LANES, TILE_ELEMENTS
 from ..runtime import allocate_outputs, build, random_inputs, time_built
-from ..tvm.target import cpu_target, cuda_device_name, default_threads
+from ..tvm.target import default_threads
 from .db import cache_dir
 from .store import DatabaseError, load, update, user_level, warn_unusable
 from .work import element_work
@@ -51,10 +51,6 @@ BANDWIDTH_POINTS = ((1 * MB, 64), (16 * MB, 1024), (128 * MB, 8192))
 POLY = "s = sum(x[i]*(x[i]*(x[i]*(x[i]*(x[i] + 1) + 2) + 3) + 4))"  # op-heavy, no calls
 WIDE = "o = sum(x[i] * v[i, :])"  # a feature-axis fold: 5 slot operations (cost.py counts)
 WIDE_SHAPE = (32, 256, 64)  # 2 MB of v: in the L2 caches
-# Nominal CUDA figures (bytes/s, seconds per op and per exp per element-thread, launch s):
-# H100/H200-class parts (sm_90), used until a device run measures better ones.
-CUDA_ARCH = "sm_90"  # what redfuser compiles CUDA for (and names a GPU it cannot query)
-CUDA_NOMINAL = {CUDA_ARCH: (3.3e12, 1.0 / 6.0e13, 4.0 / 6.0e13, 4e-6)}
 
 
 @dataclass(frozen=True)
@@ -132,30 +128,20 @@ def local_id(target: str = "cpu") -> str:
     >>> local_id().count("/")
     2
     """
-    return MACHINE_IDS[target]()
-
-
-def _cpu_id() -> str:
-    return f"{cpu_target()['mcpu']}/{os.cpu_count()} cpus/{default_threads()} threads"
-
-
-def _cuda_id() -> str:
-    return f"cuda/{cuda_device_name() or CUDA_ARCH}"
-
-
-MACHINE_IDS = {"cpu": _cpu_id, "cuda": _cuda_id}
+    return backend(target).machine_id()
 
 
 def machine(target: str = "cpu", measure: bool = True) -> Machine:
     """This machine's figures: from the cache, else measured (about 2 s) and cached.
 
     ``measure=False`` returns nominal figures instead of measuring (quick estimates)."""
-    return FIGURES[target](local_id(target), measure)  # this machine's, whatever it reads
+    gpu = backend(target).gpu
+    if gpu is not None:  # its nominal figures: no GPU run has measured better ones yet
+        return _nominal(local_id(target), *gpu.nominal)
+    return _cpu_figures(local_id(target), measure)  # this machine's, whatever it reads
 
 
-def _cuda_figures(key: str, measure: bool) -> Machine:
-    """Nominal figures: no GPU run has measured better ones yet."""
-    bw, op, ex, launch = CUDA_NOMINAL[CUDA_ARCH]
+def _nominal(key: str, bw: float, op: float, ex: float, launch: float) -> Machine:
     return Machine(key, 1, ((1.0, bw),), op, ex, op, ex, op * 4, op, launch)
 
 
@@ -188,9 +174,6 @@ def _cpu_figures(key: str, measure: bool) -> Machine:
                       "this process uses them, the next one measures again", RuntimeWarning,
                       stacklevel=user_level())
     return figures
-
-
-FIGURES = {"cpu": _cpu_figures, "cuda": _cuda_figures}  # target -> its figures
 
 
 def nominal_cpu(name: str = "nominal") -> Machine:

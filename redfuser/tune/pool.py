@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..lowering import FUNC_NAME, Geometry, Plan
+from ..lowering.backends import backend_of_kind, build_kinds
 from ..runtime import allocate_outputs, build, export, random_inputs
 from ..tvm.rpc import (
     remote_device,
@@ -52,7 +53,6 @@ CONNECT_TIMEOUT_S = 10.0  # a tracker answers within milliseconds: 10 s means it
 MEASURE_TIMEOUT_S = 60.0
 RETRIES = 1  # a candidate whose device failed is tried on one other device
 JOIN_S = 5.0  # closing: how long a worker may take to finish its call and drop its session
-KIND_BACKENDS = {"llvm": "cpu", "cuda": "cuda"}  # TVM target kind -> redfuser backend
 # What a failed measurement means: (the device still answers?, what happens)
 FAULTS = {True: "the candidate failed there (its own error): recorded with the reason",
           False: "the device is dropped from the pool and the candidate retried on another "
@@ -121,17 +121,17 @@ class _Worker:
 
     def _serve(self) -> None:
         while (item := self.inbox.get()) is not None:
-            job, kind, arrays, repeat = item
+            job, target, arrays, repeat = item
             try:
-                self.results.put((self, job, self._time(job.path, kind, arrays, repeat), "",
+                self.results.put((self, job, self._time(job.path, target, arrays, repeat), "",
                                   True))
             except Exception as e:  # noqa: BLE001 - whatever the remote raised, it answers
                 self.results.put((self, job, None, first_line(e), rpc_alive(self.session)))
         self.modules, self.tensors = {}, []  # freed before the session that holds them
         self.session = None  # drops the connection: the server takes its next client
 
-    def _time(self, path: str, kind: str, arrays: list, repeat: int) -> float:
-        dev = remote_device(self.session, kind)
+    def _time(self, path: str, target: dict, arrays: list, repeat: int) -> float:
+        dev = remote_device(self.session, target)
         if path not in self.modules:
             self.modules[path] = remote_load(self.session, path)
         if self.arrays is not arrays:
@@ -165,7 +165,7 @@ class DevicePool:
             self._tracker.close()
             raise
         self.threads = info.threads
-        self.backend = KIND_BACKENDS[self.target["kind"]]
+        self.backend = backend_of_kind(self.target["kind"]).name
         self.workers = [_Worker(s, a, self._results) for s, a in sessions]
         self._dir = tempfile.TemporaryDirectory(prefix="redfuser-rpc-")
         self._built = 0
@@ -244,7 +244,7 @@ class DevicePool:
                 if not _built(job, library, finish):
                     continue
                 worker.deadline = time.monotonic() + self.timeout
-                worker.inbox.put((job, self.target["kind"], *args))
+                worker.inbox.put((job, self.target, *args))
                 busy[worker] = job
 
     def _wait(self, busy: dict, pending: deque, finish) -> None:
@@ -371,10 +371,10 @@ def resolve_target(target: dict | None, cpu: str | None, triple: str | None,
     redfuser.tune.pool.PoolError: target kind 'opencl' is not one redfuser builds for (llvm, cuda)
     """
     if target is not None:
-        if not isinstance(target, dict) or target.get("kind") not in KIND_BACKENDS:
-            kind = target.get("kind") if isinstance(target, dict) else target
+        kind = target.get("kind") if isinstance(target, dict) else target
+        if not isinstance(target, dict) or not kind or backend_of_kind(kind) is None:
             raise PoolError(f"target kind {kind!r} is not one redfuser builds for "
-                            f"({', '.join(KIND_BACKENDS)})")
+                            f"({', '.join(build_kinds())})")
         return dict(target)
     if cpu is None:
         raise PoolError(f"the devices with key {key!r} run a TVM runtime without a compiler, "

@@ -32,11 +32,12 @@ from dataclasses import dataclass, field, replace
 from tqdm.auto import tqdm
 
 from ..lowering import Geometry, Plan, choose
+from ..lowering.plan import GEMM_FIELDS
 from .cost import predict
 from .db import TuningDB, entry_key, record_problem
 from .machine import Machine, machine, machine_id
 from .measure import Measure, Measurer, local
-from .space import GEMM_FIELDS, plan_from_params, plan_params, same_plan, space
+from .space import plan_from_params, plan_params, same_plan, space
 from .store import DatabaseError, user_level
 
 

@@ -78,7 +78,7 @@ def _record_lines(record: object) -> list[tuple[str, str]]:
     return [("plan", plan), ("time", timing), ("stored", str(record.get("stored", "?")))]
 
 
-def fold(db: TuningDB, files: list[Path | str]) -> list[tuple[Path, MergeSummary]]:
+def merge_files(db: TuningDB, files: list[Path | str]) -> list[tuple[Path, MergeSummary]]:
     """Merge every file's records into ``db``, in order; what each brought.  Every file
     is read and checked first: one that is missing or unusable is a ``DatabaseError``
     and nothing is written.

@@ -43,36 +43,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from algebra.components import LinearComponent
-
-from ..lowering import VARIANTS, Geometry, Plan, choose
-from ..lowering.cpu.plan import ISA, LANES, TILE_ELEMENTS, gemm_blocks, gemm_plan, vector_lanes
-from ..lowering.cuda import plan as cuda_plan
-from ..lowering.products import products
+from ..lowering import VARIANTS, Geometry, Plan, backend, choose
+from ..lowering.plan import GEMM_FIELDS, Param
 from ..tvm.target import default_threads
-from .work import rule_work
 
-GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc", "nt")  # 0: no GEMM micro-kernel
 TUNED = ("variant", "lanes", "tile", "splits", "threads", "row_block", *GEMM_FIELDS)  # searched
-LANE_VALUES = (1, LANES, 2 * LANES, 4 * LANES)  # one to four vector registers
-TILES_LANES = (8, 32, 128)  # lanes > 1: elements per lane per tile
-TILES_ONE = (1, 4, 8, 16, 32)  # one lane: elements per tile (attention's keys)
-SPLIT_VALUES = (2, 4, 8, 16, 32, 64)
-ROW_BLOCKS = (1, 2, 4, 8)
-MR_VALUES, KC_VALUES = (4, 6, 8), (128, 256, 512)
-NR_VALUES = tuple(v * LANES for v in (1, 2, 3, 4))  # whole vectors (``ISA.fits`` prunes)
-CUDA_THREADS = (32, 64, 128, 256, 512, 1024)
-MIN_PIECE = 32  # elements of a split piece: shorter ones cost more to merge than they save
-MAX_TILE_ELEMENTS = TILE_ELEMENTS  # lanes x tile: beyond it a tile's passes leave L1
-
-
-@dataclass(frozen=True)
-class Param:
-    """One parameter of a variant: its values (one value: fixed) and why."""
-
-    name: str
-    values: tuple[int, ...]
-    why: str
 
 
 @dataclass(frozen=True)
@@ -163,7 +138,7 @@ def space(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
     if unknown:
         raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {VARIANTS}")
     threads = threads or default_threads()
-    table = PARAMS[target]
+    table = backend(target).params
     found = {v: table(rule, geo, v, threads) for v in variants}
     default = choose(rule, geo, target=target, fast_math=fast_math, threads=threads)
     keep = default.variant in variants
@@ -171,121 +146,18 @@ def space(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
                  dataclasses.replace(default, reason="hand-written") if keep else None)
 
 
-def _cpu_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param, ...] | None:
-    blocks = gemm_blocks(rule, geo, threads) if variant != "split" else None
-    if blocks is not None:
-        return _gemm(rule, geo, variant, blocks)
-    lanes = _lanes(rule, geo, variant)
-    block = _row_block(geo, lanes, threads) if variant != "split" else None
-    params = [lanes, _tile(rule, lanes, block is not None), block]
-    if variant == "split":
-        splits = _splits(rule, geo, threads)
-        if splits is None:
-            return None
-        params.append(splits)
-    return tuple(p for p in params if p is not None)
-
-
-def _gemm(rule, geo: Geometry, variant: str, blocks: dict) -> tuple[Param, ...]:
-    """The GEMM micro-kernel's parameters where the policy blocks the rule's products; the
-    rest of the cascade (a pass over the rows beside the GEMM) keeps the policy's lanes and
-    tile: it costs little next to the product."""
-    plan = gemm_plan(rule, geo, variant, True, blocks)
-    width = -(-geo.d // LANES) * LANES
-    why = "the rule's matrix products run as a blocked GEMM"
-    return (Param("lanes", (plan.lanes,), "the rest of the cascade's (the policy's)"),
-            Param("tile", (plan.tile,), "the rest of the cascade's (the policy's)"),
-            Param("mr", MR_VALUES, why + ": rows per micro-kernel"),
-            Param("nr", tuple(sorted({v for v in NR_VALUES if v <= width} | {blocks["nr"]})),
-                  "columns per micro-kernel and packed panel"),
-            Param("kc", tuple(sorted({min(v, geo.n) for v in KC_VALUES})), "K per block"),
-            Param("nc", (blocks["nc"],), "columns per packed block (the policy's)"),
-            Param("mc", (blocks["mc"],), "rows per row block (the policy's)"),
-            Param("nt", (blocks["nt"],), "column ranges per row block (the policy's)"))
-
-
-def _lanes(rule, geo: Geometry, variant: str) -> Param:
-    if variant == "unfused":
-        ok = any(rule_work(rule, geo).stage_lanes)
-    else:
-        ok = vector_lanes(rule, geo) > 1
-    if not ok:
-        return Param("lanes", (1,), "a state carries the feature axis, a dot product or a "
-                                    "top-k insertion: one lane")
-    return Param("lanes", tuple(v for v in LANE_VALUES if 2 * v <= geo.n),
-                 "every state is a per-row scalar: the update runs in vector lanes")
-
-
-def _anchored(rule) -> bool:
-    return any(isinstance(c, LinearComponent) and c.anchors for c in rule.components)
-
-
-def _tile(rule, lanes: Param, blocks: bool) -> Param | None:
-    if blocks and not _anchored(rule):
-        return Param("tile", TILES_ONE, "rows are blocked: elements per tile of the block")
-    if _anchored(rule):
-        values = sorted(set(TILES_LANES if max(lanes.values) > 1 else ()) |
-                        set(TILES_ONE if min(lanes.values) == 1 else ()))
-        return Param("tile", tuple(values), "a state is re-anchored: the rescale is paid "
-                                            "once per tile")
-    if max(lanes.values) > 1:
-        return Param("tile", (1, 8), "lanes: tiles unroll the fold (nothing re-anchored)")
-    return None
-
-
-def _splits(rule, geo: Geometry, threads: int) -> Param | None:
-    hand = choose(rule, geo, variant="split", threads=threads).splits
-    values = [s for s in sorted(set(SPLIT_VALUES) | {hand}) if geo.n // s >= MIN_PIECE]
-    if not values:
-        return None
-    return Param("splits", tuple(values), "pieces per row, in parallel, combined with the "
-                                          "derived merge")
-
-
-def _row_block(geo: Geometry, lanes: Param, threads: int) -> Param | None:
-    if lanes.values != (1,):
-        return None
-    shared = any(g.count < geo.r and g.length > 1 and g.width > 1 for g in geo.inputs.values())
-    values = tuple(b for b in ROW_BLOCKS if b * threads <= geo.r)
-    if not shared or geo.d % LANES or len(values) < 2:
-        return None
-    return Param("row_block", values, "a stream is shared by the rows: a block of rows "
-                                      "shares each load of it")
-
-
-def _cuda_params(rule, geo: Geometry, variant: str, threads: int) -> tuple[Param, ...] | None:
-    if products(rule, geo) and variant != "split":  # the hand-written tiled GEMM, fixed
-        plan = cuda_plan.gemm_plan(rule, geo, variant, True)
-        return tuple(Param(name, (getattr(plan, name),), "the tiled GEMM of the rule's "
-                           "matrix products (not searched)") for name in ("threads", *GEMM_FIELDS))
-    if not cuda_plan.fits(rule, geo):  # no warp's states fit a block's shared memory
-        return None
-    most = cuda_plan.threads_for(rule, geo, limit=max(CUDA_THREADS))
-    block = Param("threads", tuple(t for t in CUDA_THREADS if t <= most),
-                  "threads per block, combined by a shared-memory merge tree")
-    if variant != "split":
-        return (block,)
-    values = tuple(s for s in SPLIT_VALUES if geo.n // s >= MIN_PIECE)
-    return (block, Param("splits", values, "blocks per row, combined with the merge")) \
-        if values else None
-
-
 def _valid(plan: Plan, geo: Geometry, target: str = "cpu") -> bool:
-    """Constraints between parameters: a tile fits the stream and the registers, a split
-    piece holds two tiles; a CPU GEMM micro-kernel's sums, panel vectors and broadcast fit
-    the vector registers and a packed block holds whole panels (the CUDA GEMM is fixed)."""
-    cpu_gemm = plan.mr and target == "cpu"
-    if cpu_gemm and (plan.nc % plan.nr or not ISA.fits(plan.mr, plan.nr)):
+    """Constraints between parameters: the target's own (``Backend.plan_fits``: a tile
+    fits the caches, a GEMM micro-kernel the registers), a tile fits the stream, a split
+    piece holds two tiles."""
+    if not backend(target).plan_fits(plan):
         return False
     step = plan.lanes * plan.tile
-    if step > MAX_TILE_ELEMENTS or step > geo.n:
+    if step > geo.n:
         return step == 1
     if plan.variant == "split" and geo.n // plan.splits < 2 * step:
         return False
     return plan.row_block == 1 or plan.tile > 1 or plan.mr > 0
-
-
-PARAMS = {"cpu": _cpu_params, "cuda": _cuda_params}  # target -> its parameters
 
 
 def same_plan(a: Plan, b: Plan) -> bool:

@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import sympy as sp
 
 from algebra import derive
-from algebra.components import LinearComponent, ProductComponent, SelectComponent
+from algebra.cascade import carries_feature_axis
+from algebra.families import Family, element_exprs
 from algebra.functions import Dot
 
 from ..lowering import Geometry, shape_geometry
-from ..lowering.cpu.plan import LANES, vector_lanes
+from ..lowering.cpu.space import stage_lanes
 from ..lowering.cpu.tiles import levels
 from ..lowering.emitter import folded
-from ..lowering.geometry import component_exprs, is_vec
 
 CALLS = {"exp", "log", "tanh", "erf", "sin", "cos", "log1p", "expm1", "Sigmoid", "Softplus"}
 ONE_OP = {"Max", "Min", "Maximum", "Minimum", "Abs", "sign", "floor", "ceiling", "Relu",
@@ -70,7 +70,7 @@ def count(expr: sp.Expr, vec: frozenset[str] = frozenset()) -> Work:
         inner = sum((count(a, vec) for a in expr.args), Work())
         return inner + Work(vops=2.0)
     own = _own_ops(expr, name)
-    wide = is_vec(expr, set(vec))
+    wide = carries_feature_axis(expr, set(vec))
     here = Work(vops=own[0], vcalls=own[1]) if wide else Work(ops=own[0], calls=own[1])
     return sum((count(a, vec) for a in expr.args), here)
 
@@ -104,7 +104,7 @@ def shared_count(exprs: list[sp.Expr], vec: frozenset[str] = frozenset()) -> Wor
     total = Work()
     for sym, value in defs:
         total = total + count(value, frozenset(wide))
-        if is_vec(value, wide):
+        if carries_feature_axis(value, wide):
             wide.add(sym.name)
     return sum((count(e, frozenset(wide)) for e in reduced), total)
 
@@ -122,7 +122,7 @@ class RuleWork:
     stage_lanes: tuple[bool, ...]  # may that stage run in vector lanes?
     anchored: bool
     chain: float  # dependent steps per element through the states, anchors held fixed
-    stage_chains: tuple[float, ...]  # the same for each unfused stage
+    pass_chains: tuple[float, ...]  # the same for each unfused pass
     wide_loads: float = 0.0  # feature-axis stream values loaded per element and slot
     wide_states: float = 0.0  # feature-axis states (each a load and a store per update)
     dots: float = 0.0  # dot products per element (a horizontal sum when not tiled)
@@ -171,8 +171,8 @@ def _rule_work(rule, geo: Geometry) -> RuleWork:
     vec = geo.vec
     fold, reanchor = [], []
     for comp in rule.components:
-        fold += [_primed(comp, e) for e in component_exprs(comp)]
-        if isinstance(comp, LinearComponent) and comp.anchors:
+        fold += [_primed(comp, e) for e in element_exprs(comp)]
+        if comp.family.anchored:
             reanchor += [rule.running[a.name] for a in comp.anchors]
             reanchor += [v * c for r in range(comp.matrix.rows)
                          for v, c in zip(comp.matrix.row(r), comp.columns, strict=True) if v]
@@ -187,8 +187,8 @@ def _rule_work(rule, geo: Geometry) -> RuleWork:
     return RuleWork(
         shared_count(fold, vec) + select + accumulate, shared_count(reanchor, vec), merge,
         shared_count(list(rule.running.values()), vec), _elementwise_work(rule, geo),
-        tuple(count(r.body, vec) + _reduce_ops(r.k) for r in reds), _stage_lanes(rule, geo),
-        any(isinstance(c, LinearComponent) and c.anchors for c in rule.components),
+        tuple(count(r.body, vec) + _reduce_ops(r.k) for r in reds), stage_lanes(rule, geo),
+        any(c.family.anchored for c in rule.components),
         sum(max(map(_chain, level)) for level in levels(rule, folded(rule)[0])),
         tuple(_chain_of(r.op, r.k) for r in reds),
         float(sum(g.width > 1 and g.length > 1 for g in geo.inputs.values())), float(wide),
@@ -215,9 +215,9 @@ def _primed(comp, expr):
 
 
 def _select_ops(comp) -> Work:
-    if isinstance(comp, SelectComponent):
+    if comp.family.selects:
         return Work(ops=INSERT_OPS * comp.k if comp.k > 1 else 2.0)
-    if isinstance(comp, ProductComponent):
+    if comp.family is Family.PRODUCT:
         return Work(ops=1.0)
     return Work()
 
@@ -234,11 +234,3 @@ def _varying(expr: sp.Expr, streams: set[str]) -> sp.Expr:
     if expr.is_Atom or not {s.name for s in expr.free_symbols} & streams:
         return sp.Dummy() if not expr.is_Atom else expr
     return expr.func(*[_varying(a, streams) for a in expr.args])
-
-
-def _stage_lanes(rule, geo: Geometry) -> tuple[bool, ...]:
-    if vector_lanes(rule, geo) > 1:
-        return (True,) * len(rule.cascade.reductions)
-    vec_names = set(geo.vec)
-    return tuple(not is_vec(r.body, vec_names) and r.k is None and geo.n >= 2 * LANES and
-                 not r.body.atoms(Dot) for r in rule.cascade.reductions)

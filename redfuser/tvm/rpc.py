@@ -110,9 +110,9 @@ def export_library(executable, path: str, cross_cc: str | None = None) -> None:
     executable.export_library(path, fcompile=fcompile)
 
 
-def remote_device(session, kind: str):
-    """Device 0 of ``session`` of the target kind ``kind`` ("cuda", else the CPU)."""
-    return session.cuda(0) if kind == "cuda" else session.cpu(0)
+def remote_device(session, target: dict):
+    """Device 0 of ``session`` of the kind of device ``target`` builds for (TVM's own map)."""
+    return session.device(tvm.target.Target(target).get_target_device_type(), 0)
 
 
 def remote_load(session, path: str):

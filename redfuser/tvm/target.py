@@ -60,7 +60,14 @@ def host_triple() -> str:
 
 
 def device(target: dict):
-    return tvm.cuda(0) if target["kind"] == "cuda" else tvm.cpu(0)
+    """Device 0 of the kind ``target`` builds for (TVM's own map: llvm and c, the CPU).
+
+    Examples
+    --------
+    >>> str(device(cpu_target()))
+    'cpu:0'
+    """
+    return tvm.runtime.device_from_target(target, 0)
 
 
 def cuda_device_name() -> str | None:

@@ -4,7 +4,7 @@ of int32 sums.
 A tile register holds 16 rows of 64 bytes.  ``tdpbssd C, A, B`` adds to each int32 C[r, c]
 (16 x 16) the dot product of row r of A (16 x 64 signed bytes: 64 k values) with column c
 of B, where B's row kq holds the 4-byte words of k values 4 kq .. 4 kq + 3 for its 16
-columns: exactly the packed weight panels of ``int8`` (word (panel, kq, c)), so a B tile is
+columns: exactly the packed weight panels of ``int8_pack`` (word (panel, kq, c)), so a B tile is
 16 k-quads of 16 columns of a panel, loaded with the panel's row stride.  The activations
 are signed bytes as they are (no offset, no column sums).  Every product and sum is an
 integer in int32 (``DotIsa.max_k`` bounds K), so the result is the exact integer product.
@@ -63,8 +63,8 @@ def _configure() -> None:
 
 class TileGemm:
     """acc = U @ W in 32 x 32 blocks of AMX tiles (``U`` int8 (rows, K'), rows a multiple of
-    32 and K' of 64, padded with zeros; ``packed`` the int8 module's 32-column panels);
-    ``epilogue(row, col, acc)`` stores one result, as ``int8._Gemm`` calls it."""
+    32 and K' of 64, padded with zeros; ``packed`` ``int8_pack``'s 32-column panels);
+    ``epilogue(row, col, acc)`` stores one result, as ``int8_kernel.RegisterGemm`` calls it."""
 
     def __init__(self, isa, u, packed, m: int):
         self.isa, self.u, self.packed, self.m = isa, u, packed, m

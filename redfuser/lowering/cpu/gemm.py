@@ -71,7 +71,7 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
             elementwise: dict, rowvals: dict, fold: Callable) -> None:
     """The blocked nest of ``rule`` (which has matrix products at ``geo``) into the active
     IRBuilder frame; ``fold`` folds a piece of a row into lanes and merges them
-    (``variants._fold``), ``rowvals`` are per-row values of earlier unfused stages.
+    (``variants._fold``), ``rowvals`` are per-row values of earlier unfused passes.
 
     Examples
     --------
@@ -92,7 +92,8 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
     values = {**rowvals, **results}
     scores = rule_scores(rule)  # both emitters compute each score the same way
     em, em_rest = (Emitter(r, geo, plan, bufs, values, simd=LANES, scratch=REGISTER_SCOPE,
-                           rounded=llvm_rounded, scores=scores) for r in (rule, rest))
+                           rounded=llvm_rounded, scores=scores, backend="cpu")
+                   for r in (rule, rest))
     sums = {p.state: T.alloc_buffer((geo.r, _round_up(geo.d, plan.nr)), F32) for p in found}
     pieces = -(-geo.n // plan.kc)
     work = workspace(rest, geo, geo.r * pieces) if rest.components else None

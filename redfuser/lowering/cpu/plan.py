@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from algebra.components import LinearComponent, SelectComponent
+from algebra.families import Family, element_exprs
 from algebra.functions import Dot
 from algebra.rule import FusionRule
 
 from ...tvm.ir import T
 from ...tvm.target import default_threads
-from ..geometry import Geometry, component_exprs
+from ..geometry import Geometry
 from ..plan import Plan, check_variant
 from ..products import products, without
 from .vector import host_caches, host_isa
@@ -87,8 +87,8 @@ def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
     """Lanes for the element update when each lane's update is straight-line code:
     FOLD_LANES where the stream fills them twice, else LANES (or 1)."""
     scalar_states = all(s.symbol.name not in geo.vec for s in rule.state)
-    no_dot = not any(e.atoms(Dot) for c in rule.components for e in component_exprs(c))
-    no_insert = not any(isinstance(c, SelectComponent) and c.k > 1 for c in rule.components)
+    no_dot = not any(e.atoms(Dot) for c in rule.components for e in element_exprs(c))
+    no_insert = not any(c.family is Family.TOP_K for c in rule.components)
     if not (scalar_states and no_dot and no_insert):
         return 1
     if not geo.static:  # any N: lanes as for a long row, the tails fold one by one
@@ -104,7 +104,7 @@ def tile_for(rule: FusionRule, lanes: int, n: int) -> int:
     if lanes > 1:
         tiles = max(1, n // TILE_ELEMENTS)
         return max(1, n // (tiles * lanes))
-    anchored = any(isinstance(c, LinearComponent) and c.anchors for c in rule.components)
+    anchored = any(c.family.anchored for c in rule.components)
     return KEY_TILE if anchored else 1
 
 
@@ -114,9 +114,9 @@ def lane_aligned(rule: FusionRule) -> bool:
     tile's best can be written into every lane without counting anything twice.  Lanes
     held at one anchor then merge by adding (``Emitter.merge(aligned=True)``): no exp."""
     single = {s.symbol.name for c in rule.components
-              if isinstance(c, SelectComponent) and c.k == 1 for s in c.state}
+              if c.family.single for s in c.state}
     states = {s.symbol.name for s in rule.state}
-    read = {sym.name for c in rule.components if isinstance(c, LinearComponent)
+    read = {sym.name for c in rule.components if c.family.linear
             for a in c.anchors for sym in rule.running[a.name].free_symbols}
     return bool(read & states) and read & states <= single
 

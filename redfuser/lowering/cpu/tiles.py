@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import sympy as sp
 
-from algebra.components import LinearComponent, SelectComponent
 from algebra.rule import FusionRule
 
 from ...tvm.ir import T, tirx
-from ..emitter import Emitter, direct, folded
+from ..emitter import Emitter, folded
 from ..invariants import split_invariant
 from ..registers import Const0, States
 from ..signature import F32
@@ -53,7 +52,7 @@ def _share_best(em: Emitter, st: States, level, lanes: int, at: int):
     """Write the tile's best of each single selection of ``level`` into all its lanes
     ``at .. at + lanes`` (a halving tree, then a broadcast): their anchors are then equal."""
     for comp in level:
-        if not (isinstance(comp, SelectComponent) and comp.k == 1):
+        if not comp.family.single:
             continue
         half = lanes // 2
         while half >= 1:
@@ -104,7 +103,7 @@ def _tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool
         with T.serial(0, size) as k:
             with _lane_loop(lanes) as lane:
                 for comp, pre in zip(level, bases, strict=True):
-                    em.tile_step(st, comp, lane if direct(comp) else at + lane,
+                    em.tile_step(st, comp, lane if em.lowering(comp).direct else at + lane,
                                  base + k * lanes + lane, r, dots(k) if dots else {},
                                  pre and (pre[0], pre[1](k)))
         if aligned:
@@ -153,7 +152,7 @@ def _tile_rows(em: Emitter, sts: list, rows: list, base, size: int):
             for st, r, d, pre in zip(sts, rows, dots, bases, strict=True):
                 for j, comp in enumerate(level):
                     if not wide[j]:
-                        em.tile_step(st, comp, 0 if direct(comp) else 1, base + k, r,
+                        em.tile_step(st, comp, 0 if em.lowering(comp).direct else 1, base + k, r,
                                      d(k) if d else {}, pre[j] and (pre[j][0], pre[j][1](k)))
     for st, r in zip(sts, rows, strict=True):
         em.merge(st, 0, 1, r, tile=True)
@@ -161,13 +160,13 @@ def _tile_rows(em: Emitter, sts: list, rows: list, base, size: int):
 
 def _hold(em: Emitter, st: States, level, lane, r):
     for comp in level:
-        if comp.anchors and isinstance(comp, LinearComponent):
+        if comp.family.anchored:
             em.hold_for(st, comp, lane, r)
 
 
 def _wide(em: Emitter, st: States, comp) -> bool:
     """A sum whose every column is a feature vector filling whole LANES-wide vectors."""
-    if not isinstance(comp, LinearComponent):
+    if not comp.family.linear:
         return False
     cols = [c.name for r, c in enumerate(comp.columns) if not comp.counts(r)]
     return bool(cols) and all(st.widths[c] == em.geo.d for c in cols) and \
@@ -185,9 +184,9 @@ def _vector_sums(em: Emitter, sts, comp, rows, base, size: int, dots, pres):
             with T.vectorized(0, LANES) as lane:
                 slot = chunk * LANES + lane
                 for st, r, d, pre in zip(sts, rows, dots, pres, strict=True):
-                    fresh = em.fresh(comp, r, base + k, em.held(st, 1, names),
+                    basis = em.basis_values(comp, r, base + k, em.held(st, 1, names),
                                       d(k) if d else {}, pre and (pre[0], pre[1](k)))
-                    values = dict(zip([c.name for c in comp.columns], fresh(slot),
+                    values = dict(zip([c.name for c in comp.columns], basis(slot),
                                       strict=True))
                     for c in cols:
                         st.set(c, 1, st.get(c, 1, slot) + values[c], slot)
@@ -224,12 +223,12 @@ def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots,
     keys at once instead of one scalar exp per key).  Returns, per comp, None or (basis
     with those parts as symbols, k -> {symbol: value at base + k})."""
     split = [split_invariant(c.basis, em.vec)
-             if isinstance(c, LinearComponent) else None for c in comps]
+             if c.family.linear else None for c in comps]
     parts = [(e, sym) for one in split if one for e, sym in one[1].items()]
     if not parts:
         return [None] * len(comps)
     cache = T.alloc_buffer((len(parts), count), F32, scope=em.scratch)
-    names = sorted({a.name for c in comps for a in c.anchors if isinstance(c, LinearComponent)})
+    names = sorted({a.name for c in comps for a in c.anchors if c.family.linear})
     with T.vectorized(0, count) as k:
         look = em.base_lookup(r, base + k, 0, {**(dots(k) if dots else {}),
                                                **em.row_values(em.held(st, lane, names))})

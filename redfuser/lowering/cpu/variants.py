@@ -9,7 +9,7 @@
   one-pass fold in turn (each reading the earlier stages' finals), then the per-element
   outputs, so the later passes find the row in cache (``lowering.staged``).
 
-A rolling nest (fused, or one unfused stage) whose rule holds matrix products runs as a
+A rolling nest (fused, or one unfused pass) whose rule holds matrix products runs as a
 blocked GEMM (``gemm.py``) when its plan says so (``plan.mr``).
 """
 
@@ -25,7 +25,7 @@ from ...tvm.target import default_threads
 from ..emitter import Emitter
 from ..geometry import Geometry, InputGeom
 from ..invariants import rule_scores
-from ..nests import copy_state, epilogue_values, stages, store_results, workspace
+from ..nests import copy_state, epilogue_values, store_results, unfused_passes, workspace
 from ..plan import Plan
 from ..products import products
 from ..registers import Const0, States
@@ -47,7 +47,7 @@ from .plan import (
 
 def _emitter(rule, geo, plan, bufs, rowvals, scores=None) -> Emitter:
     return Emitter(rule, geo, plan, bufs, rowvals, simd=LANES, scratch=REGISTER_SCOPE,
-                   rounded=llvm_rounded, scores=scores)
+                   rounded=llvm_rounded, scores=scores, backend="cpu")
 
 
 def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
@@ -176,11 +176,11 @@ def unfused(rule, geo, plan, bufs, results, elementwise):
     """One loop nest per reduction; epilogues and per-element outputs in a last one.  Every
     pass computes the whole rule's scores the same way (the max's pass and the exp's)."""
     done, scores = {}, rule_scores(rule)
-    for stage, result, rowvals in stages(rule, geo):
+    for one_pass, result, rowvals in unfused_passes(rule, geo):
         done.update(result)
-        lanes = plan.lanes if vector_lanes(stage, geo) > 1 else 1
+        lanes = plan.lanes if vector_lanes(one_pass, geo) > 1 else 1
         blocks = plan.row_block if lanes == 1 else 1
-        rolling(stage, geo, dataclasses.replace(plan, lanes=lanes, row_block=blocks), bufs,
+        rolling(one_pass, geo, dataclasses.replace(plan, lanes=lanes, row_block=blocks), bufs,
                 result, {}, rowvals=rowvals, scores=scores)
     em = _emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
     with rows_loop(geo)(0, geo.r) as r:

@@ -1,8 +1,10 @@
 """The host CPU's vector unit and caches: the facts every CPU plan is sized by.
 
-One row of ``VECTOR_ISAS`` per vector instruction set, best first; the host's row is the
-first whose LLVM feature its CPU has (``host_isa``).  A row owns its lane count, its
-register count and the GEMM micro-kernel that fits those registers; ``host_caches`` reads
+One row of ``VECTOR_ISAS`` per vector instruction set, best first: the CPU's one table of
+instruction sets.  The host's row is the first whose LLVM feature its CPU has
+(``host_isa``).  A row owns its lane count, its register count, the GEMM micro-kernel that
+fits those registers and its integer dot products, best first (``int8_isa``; each needs its
+own feature too, e.g. VNNI on AVX-512: ``isa_for`` picks one); ``host_caches`` reads
 the L1 and L2 data cache sizes Linux reports.  Nothing else in the CPU lowering names a
 lane count, a register count or a cache size.
 
@@ -18,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ...tvm.target import cpu_has, cpu_target
+from .int8_isa import AMX_INT8, AVX2_BYTES, AVX2_INT16, AVX512_VNNI, QMAX, DotIsa
 
 FMA_IN_FLIGHT = 8  # multiply-adds in flight per core: 2 pipes x 4 cycles of latency
 
@@ -33,6 +36,7 @@ class VectorIsa:
     gemm_rows: int  # micro-kernel rows (one broadcast each per step)
     gemm_vectors: int  # micro-kernel columns in registers: nr = vectors x lanes
     why: str
+    int8: tuple[DotIsa, ...] = ()  # its exact int8 dot products, best first
 
     @property
     def gemm_sums(self) -> int:
@@ -48,15 +52,18 @@ class VectorIsa:
 VECTOR_ISAS: tuple[VectorIsa, ...] = (
     VectorIsa("avx512", "avx512f", 16, 32, 6, 4,
               "6 x 4 = 24 sums + 4 panel vectors + 1 broadcast of 32 zmm (measured on Zen 5, "
-              "RMSNorm + GEMM 256 x 4096 -> 4096)"),
+              "RMSNorm + GEMM 256 x 4096 -> 4096)", (AMX_INT8, AVX512_VNNI)),
     VectorIsa("avx2", "avx2", 8, 16, 4, 3,
               "4 x 3 = 12 sums + 3 panel vectors + 1 broadcast of 16 ymm (measured on Zen 3, "
-              "RMSNorm + GEMM 256 x 4096 -> 4096: 4 x 24 at 43 ms, 6 x 16 at 58 ms)"),
+              "RMSNorm + GEMM 256 x 4096 -> 4096: 4 x 24 at 43 ms, 6 x 16 at 58 ms)",
+              (AVX2_BYTES, AVX2_INT16)),
     VectorIsa("neon", "neon", 4, 32, 6, 4,
               "6 x 4 = 24 sums + 4 + 1 of 32 q registers (the register budget; not measured)"),
     VectorIsa("sse2", "sse2", 4, 16, 4, 3,
               "4 x 3 = 12 sums + 3 + 1 of 16 xmm (the register budget; not measured)"),
 )
+
+INT8_ISAS = tuple(dot for isa in VECTOR_ISAS for dot in isa.int8)  # the int8 column, best first
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,28 @@ def host_isa() -> VectorIsa:
     """
     target = cpu_target()
     return next((isa for isa in VECTOR_ISAS if cpu_has(target, isa.feature)), VECTOR_ISAS[-1])
+
+
+def isa_for(target: dict, lowest: int = -QMAX) -> DotIsa:
+    """The best integer dot product ``target`` has for activations down to ``lowest`` (the
+    quantized range by default; -128 for any int8), a clear error when it has none.
+
+    Examples
+    --------
+    >>> isa_for({"kind": "llvm", "mcpu": "icelake-server"}).name
+    'avx512-vnni'
+    >>> isa_for({"kind": "llvm", "mcpu": "znver3"}).name
+    'avx2'
+    >>> isa_for({"kind": "llvm", "mcpu": "znver3"}, lowest=-128).name
+    'avx2-int16'
+    """
+    for isa in INT8_ISAS:
+        if cpu_has(target, isa.feature) and isa.lowest <= lowest:
+            return isa
+    raise ValueError(f"the int8 GEMM needs one of {[i.feature for i in INT8_ISAS]}; "
+                     f"target {target} has none")
+
+
 
 
 @lru_cache(maxsize=1)

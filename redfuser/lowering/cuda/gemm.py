@@ -61,7 +61,8 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
     found = products(rule, geo)
     rest = without(rule, found)
     values = {**rowvals, **results}
-    em, em_rest = (Emitter(r, geo, plan, bufs, values, rounded=cuda_rounded, scores=scores)
+    em, em_rest = (Emitter(r, geo, plan, bufs, values, rounded=cuda_rounded, scores=scores,
+                           backend="cuda")
                    for r in (rule, rest))
     sums = {p.state: T.alloc_buffer((geo.r, geo.d), F32) for p in found}
     work = workspace(rest, geo, geo.r) if rest.components else None

@@ -1,7 +1,9 @@
-"""CUDA plans: the one place for the GPU's facts (SM count, shared memory, threads) and the
-policy that picks threads per block and splits."""
+"""CUDA plans: the one place for the GPU's facts (``GPU``: SM count, shared memory, warp)
+and the policy that picks threads per block and splits."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from algebra.rule import FusionRule
 
@@ -10,10 +12,27 @@ from ..plan import Plan, check_variant
 from ..products import products
 from ..registers import register_width
 
-SMS = 132  # streaming multiprocessors of an H100/H200: blocks needed to fill the GPU
-SHARED_BYTES = 48 * 1024  # static shared memory available to a block without opt-in
+
+@dataclass(frozen=True)
+class Gpu:
+    """The facts of the GPU redfuser compiles for (``Backend.gpu``)."""
+
+    arch: str  # what redfuser compiles CUDA for (and names a GPU it cannot query)
+    sms: int  # streaming multiprocessors: blocks needed to fill the GPU
+    sm_threads: int  # resident threads per SM
+    sm_blocks: int  # resident blocks per SM
+    warp: int  # threads of a warp: a block never has fewer
+    block_threads: int  # the most threads a block may have
+    shared_bytes: int  # static shared memory available to a block without opt-in
+    sync_s: float  # one block-wide barrier, seconds
+    # nominal figures for the cost model until a device run measures better ones: bytes/s,
+    # seconds per op and per exp per element-thread, launch seconds
+    nominal: tuple[float, float, float, float]
+
+
+GPU = Gpu("sm_90", 132, 2048, 32, 32, 1024, 48 * 1024, 2e-8,  # H100/H200-class parts
+          (3.3e12, 1.0 / 6.0e13, 4.0 / 6.0e13, 4e-6))
 MAX_THREADS = 256  # threads per block the hand-written plan starts from
-MIN_THREADS = 32  # one warp: never fewer
 WORD_BYTES = 4  # float32 / the low word of an index: what the shared-memory state holds
 # The tiled GEMM of a rule's matrix products (``gemm.py``): (value, why).  A block computes
 # an MC x NC tile of the output with (MC / MR) x (NC / NR) threads, each MR x NR sums in
@@ -31,7 +50,7 @@ def threads_for(rule: FusionRule, geo: Geometry, limit: int = MAX_THREADS) -> in
     """Largest power of two <= limit whose shared-memory state fits."""
     words = sum(register_width(rule, geo, s) for s in rule.state)
     threads = limit
-    while threads > MIN_THREADS and threads * words * WORD_BYTES > SHARED_BYTES:
+    while threads > GPU.warp and threads * words * WORD_BYTES > GPU.shared_bytes:
         threads //= 2
     return threads
 
@@ -39,7 +58,7 @@ def threads_for(rule: FusionRule, geo: Geometry, limit: int = MAX_THREADS) -> in
 def fits(rule: FusionRule, geo: Geometry) -> bool:
     """Do one warp's states fit a block's shared memory (``check_fits``)?"""
     words = sum(register_width(rule, geo, s) for s in rule.state)
-    return MIN_THREADS * words * WORD_BYTES <= SHARED_BYTES
+    return GPU.warp * words * WORD_BYTES <= GPU.shared_bytes
 
 
 def check_fits(rule: FusionRule, geo: Geometry) -> None:
@@ -66,22 +85,22 @@ def check_fits(rule: FusionRule, geo: Geometry) -> None:
         widest = max(widths, key=widths.get)
         what = repr(rule.name) if rule.name else "the cascade"  # a lifted one has no name
         raise ValueError(
-            f"the state of {what} is {words} words a thread: {MIN_THREADS} threads' "
-            f"states exceed the {SHARED_BYTES >> 10} KB of shared memory a block merges them "
+            f"the state of {what} is {words} words a thread: {GPU.warp} threads' "
+            f"states exceed the {GPU.shared_bytes >> 10} KB of shared memory a block merges them "
             f"in (widest: '{widest}', {widths[widest]} words); only a matrix product's wide "
             "state runs on CUDA (as a tiled GEMM, variant rolling or unfused)")
 
 
 def row_in_shared(rule, geo: Geometry) -> tuple[str, ...]:
     """The streams a staged rule's block copies to shared memory: every stream its stages
-    read, when one row of them and the threads' states fit ``SHARED_BYTES`` (else none:
+    read, when one row of them and the threads' states fit ``GPU.shared_bytes`` (else none:
     the stages re-read the row from global memory, through L1/L2)."""
     if not geo.static:  # a row of any length: its size is not known when building
         return ()
     names = tuple(sorted({s.name for st in rule.staged.stages for s in st.rule.cascade.streams}))
     row = sum(geo.n * geo.inputs[k].width * WORD_BYTES for k in names)
     state = threads_for(rule, geo) * sum(register_width(rule, geo, s) for s in rule.state)
-    return names if row + state * WORD_BYTES <= SHARED_BYTES else ()
+    return names if row + state * WORD_BYTES <= GPU.shared_bytes else ()
 
 
 def resident_fit(rule, geo: Geometry, dynamic: bool = False) -> str:
@@ -91,9 +110,9 @@ def resident_fit(rule, geo: Geometry, dynamic: bool = False) -> str:
         return ("rows of any length: the passes re-read the row from global memory (through "
                 "L1/L2; no shared-memory copy of a row whose length is not known)")
     if row_in_shared(rule, geo):
-        return (f"the row is copied to shared memory ({SHARED_BYTES >> 10} KB a block) and "
+        return (f"the row is copied to shared memory ({GPU.shared_bytes >> 10} KB a block) and "
                 "every pass reads it there: DRAM sees each row once")
-    return (f"a row does not fit the {SHARED_BYTES >> 10} KB of shared memory: the passes "
+    return (f"a row does not fit the {GPU.shared_bytes >> 10} KB of shared memory: the passes "
             "re-read it from global memory (through L1/L2)")
 
 
@@ -109,11 +128,11 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     threads = threads_for(rule, geo)
     if variant == "unfused":
         return Plan("unfused", 1, 1, fast_math, "requested: one kernel per reduction", threads)
-    few = geo.r < SMS and geo.n >= 4 * threads
+    few = geo.r < GPU.sms and geo.n >= 4 * threads
     if variant == "split" or (variant is None and few):
-        s = splits or min(threads, max(2, SMS // max(geo.r, 1)), max(1, geo.n // threads))
+        s = splits or min(threads, max(2, GPU.sms // max(geo.r, 1)), max(1, geo.n // threads))
         s = max(1, min(s, threads, geo.n))
-        why = "requested" if variant else f"{geo.r} rows < {SMS} SMs: split each row"
+        why = "requested" if variant else f"{geo.r} rows < {GPU.sms} SMs: split each row"
         return Plan("split", 1, s, fast_math, why, threads)
     return Plan("rolling", 1, 1, fast_math, "one block per row, threads merged by a tree",
                 threads)

@@ -15,7 +15,7 @@ from ...tvm.ir import T, block_sync, cuda_rounded, tirx
 from ..emitter import Emitter
 from ..geometry import InputGeom
 from ..invariants import rule_scores
-from ..nests import copy_state, epilogue_values, stages, store_results, workspace
+from ..nests import copy_state, epilogue_values, store_results, unfused_passes, workspace
 from ..products import products
 from ..registers import States
 from ..signature import F32, result_dtype, result_width
@@ -91,7 +91,8 @@ def _bind_rows(em: Emitter, r):
 
 
 def _emitter(rule, geo, plan, bufs, rowvals, scores=None) -> Emitter:
-    return Emitter(rule, geo, plan, bufs, rowvals, rounded=cuda_rounded, scores=scores)
+    return Emitter(rule, geo, plan, bufs, rowvals, rounded=cuda_rounded, scores=scores,
+                   backend="cuda")
 
 
 def _row_state(em, t, r, threads: int) -> States:
@@ -140,9 +141,9 @@ def unfused(rule, geo, plan, bufs, results, elementwise):
     """One kernel per reduction; thread 0 stores the per-row results, then every thread
     writes its share of the per-element outputs."""
     done, scores = {}, rule_scores(rule)  # each pass computes the scores the same way
-    for stage, result, rowvals in stages(rule, geo):
+    for one_pass, result, rowvals in unfused_passes(rule, geo):
         done.update(result)
-        rolling(stage, geo, dataclasses.replace(plan, lanes=1), bufs, result, {},
+        rolling(one_pass, geo, dataclasses.replace(plan, lanes=1), bufs, result, {},
                 rowvals=rowvals, scores=scores)
     em = _emitter(rule, geo, plan, bufs, epilogue_values(rule, done))
     with T.launch_thread("blockIdx.x", geo.r) as r:
