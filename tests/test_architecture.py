@@ -1,7 +1,8 @@
 """The package's import structure: data flows one way, TVM stays behind ``redfuser.tvm``.
 
 Every module's imports are read with ``ast`` (those inside functions too, since a lazy
-import still makes a dependency) and checked against the layering the README describes.
+import still makes a dependency) and checked against the layering that
+docs/architecture.md describes (its diagram and package list).
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ import ast
 from pathlib import Path
 
 import pytest
+
+import algebra.components
+from algebra.families import Family
+from redfuser.lowering.backends import BACKENDS
+from redfuser.lowering.families import lowering_for_family
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("redfuser", "algebra")
@@ -142,3 +148,99 @@ def test_imports_inside_functions_say_why():
                     and "#" not in above:
                 wrong.append(f"{p.relative_to(ROOT)}:{line}")
     assert sorted(set(wrong)) == []
+
+
+FAMILIES_PACKAGE = "redfuser.lowering.families"  # the one place that may know the classes
+COMPONENT_CLASSES = frozenset(
+    name for name, value in vars(algebra.components).items()
+    if isinstance(value, type) and issubclass(value, algebra.components.Component))
+
+
+def _family_tests(source: str) -> list[int]:
+    """Lines of ``isinstance(x, C)`` calls where C names a component class (also inside a
+    tuple or union): code that should ask ``x.family`` instead."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" \
+                and len(node.args) == 2:
+            names = {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(node.args[1])}
+            if names & COMPONENT_CLASSES:
+                found.append(node.lineno)
+    return found
+
+
+def test_no_module_tests_a_component_family_by_class():
+    wrong = [f"{p.relative_to(ROOT)}:{line}" for m, p in MODULES.items()
+             if _under(m, "redfuser") and not _under(m, FAMILIES_PACKAGE)
+             for line in _family_tests(p.read_text())]
+    assert wrong == [], "ask comp.family (algebra.families) instead of testing the class"
+
+
+def test_the_family_checker_catches_a_class_test():
+    assert _family_tests("if isinstance(c, LinearComponent) and c.anchors:\n    pass\n") == [1]
+    assert _family_tests("ok = isinstance(c, (int, components.SelectComponent))\n") == [1]
+    assert _family_tests("ok = isinstance(e, Dot) or c.family.linear\n") == []
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_every_family_has_a_lowering_on_every_backend(backend):
+    for family in Family:
+        assert lowering_for_family(family, backend) is not None, (family, backend)
+
+
+# Target facts belong to the Backend (``redfuser.lowering.backends``): only these modules may
+# test a target's name or an instruction set's (module prefix, why)
+TARGET_PLACES = (
+    ("redfuser.lowering.backends", "the table of backends, keyed by target name"),
+    ("redfuser.lowering.cpu", "the CPU backend: its instruction sets and facts"),
+    ("redfuser.lowering.cuda", "the CUDA backend: its facts"),
+    ("redfuser.tvm.cuda", "finds the CUDA module among a build's imports by TVM's own "
+                          "module kind"),
+)
+TARGET_WORDS = frozenset({
+    "cpu", "cuda", "llvm", "c", "metal", "rocm", "opencl", "vulkan", "webgpu", "hexagon",
+    "sse2", "sse4.1", "sse4.2", "avx2", "avx512f", "avx512bw", "avx512vnni", "avxvnni",
+    "avx512bf16", "avx512fp16", "amx", "amx-tile", "amx-int8", "amx-bf16", "neon", "sve",
+    "dotprod", "i8mm"})
+
+
+def _words(node: ast.AST) -> set[str]:
+    """The string constants of ``node``, or of the elements of a tuple, list or set."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return set().union(set(), *map(_words, node.elts))
+    return set()
+
+
+def _target_tests(source: str) -> list[int]:
+    """Lines that compare with a target or ISA name (``==``, ``in (...)``) or key a dict or
+    a set by one: facts a ``Backend`` should own."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            parts = (node.left, *node.comparators)
+        elif isinstance(node, ast.Dict):
+            parts = tuple(k for k in node.keys if k is not None)
+        elif isinstance(node, ast.Set):
+            parts = (node,)
+        else:
+            continue
+        if set().union(set(), *map(_words, parts)) & TARGET_WORDS:
+            found.append(node.lineno)
+    return found
+
+
+def test_only_the_backends_test_a_target_name():
+    wrong = [f"{p.relative_to(ROOT)}:{line}" for m, p in MODULES.items()
+             if _under(m, "redfuser") and not any(_under(m, place) for place, _ in TARGET_PLACES)
+             for line in _target_tests(p.read_text())]
+    assert wrong == [], "a target fact outside its Backend (lowering/backends.py)"
+
+
+def test_the_target_checker_catches_a_target_test():
+    assert _target_tests('if target == "cuda":\n    pass\n') == [1]
+    assert _target_tests('ok = kind in ("llvm", "c")\n') == [1]
+    assert _target_tests('TABLE = {"cpu": 1}\n') == [1]
+    assert _target_tests('ok = "avx512vnni" in {"avx2", "avx512vnni"}\n') == [1, 1]
+    assert _target_tests('t = {"kind": "llvm"}\nok = name == "x"\n') == []
