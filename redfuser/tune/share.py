@@ -1,8 +1,8 @@
-"""Moving tuning results between machines: list a database, export it, fold others in.
+"""Moving tuning results between machines: list a database, export it, merge others in.
 
 ``redfuser db show | export FILE | import FILE | merge FILE...`` (``cli.py``) runs these.
 An export is a database file itself (``TuningDB.export``), so it can be copied into
-place, imported or merged; importing folds records in with the same merge concurrent
+place, imported or merged; importing merges records in with the same merge concurrent
 writers use (``db.merge_entries``: the newer record of a key wins), so importing the
 same files in any order, any number of times, gives the same database.
 """
@@ -89,7 +89,7 @@ def merge_files(db: TuningDB, files: list[Path | str]) -> list[tuple[Path, Merge
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
     >>> mine, theirs = TuningDB(tmp / "mine.json"), TuningDB(tmp / "theirs.json")
     >>> _ = theirs.put("k", {"plan": {"variant": "rolling"}, "measured_ms": 0.5})
-    >>> [(path.name, str(s)[:5]) for path, s in fold(mine, [theirs.path, theirs.path])]
+    >>> [(path.name, str(s)[:5]) for path, s in merge_files(mine, [theirs.path, theirs.path])]
     [('theirs.json', '1 new'), ('theirs.json', '0 new')]
     """
     read = [(Path(f), read_database(f)) for f in files]
