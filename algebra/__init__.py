@@ -3,8 +3,9 @@
 sympy only: nothing here imports TVM.
 """
 
+from .backward import Backward
 from .cascade import Cascade
-from .errors import NotFusable, SpecError
+from .errors import NoBackward, NotFusable, SpecError
 from .library import LIBRARY
 from .pipeline import derive
 from .reference import reference
@@ -12,5 +13,5 @@ from .rule import FusionRule
 from .spec import parse
 from .stages import Stage, StagedRule
 
-__all__ = ["LIBRARY", "Cascade", "FusionRule", "NotFusable", "SpecError", "Stage", "StagedRule",
-           "derive", "parse", "reference"]
+__all__ = ["LIBRARY", "Backward", "Cascade", "FusionRule", "NoBackward", "NotFusable",
+           "SpecError", "Stage", "StagedRule", "derive", "parse", "reference"]

@@ -1,4 +1,5 @@
-"""The two errors users see: a bad spec, or a cascade with no exact one-pass form."""
+"""The errors users see: a bad spec, a cascade with no exact one-pass form, a gradient the
+engine does not derive."""
 
 from __future__ import annotations
 
@@ -23,3 +24,8 @@ class NotFusable(ValueError):
     def __init__(self, reduction: str, culprit: object, why: str):
         self.reduction, self.culprit, self.why = reduction, culprit, why
         super().__init__(f"reduction '{reduction}' cannot be fused: `{culprit}` {why}")
+
+
+class NoBackward(ValueError):
+    """A gradient the engine does not derive: names the value and why (``algebra.backward``
+    lists the reasons)."""

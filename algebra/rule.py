@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import sympy as sp
 
+from .backward import Backward, backward
 from .cascade import INDEX, Cascade
 from .components import Component, LinearComponent
 from .interpret import run
@@ -99,6 +100,24 @@ class FusionRule:
             out.append((f"{n}[{INDEX}]", f"({psi.subs(at_tile)}) * ({s.factor})    # the pass "
                         f"writes the first factor, at its anchors {anchors}"))
         return out
+
+    def backward(self, outputs: tuple[str, ...] | None = None) -> Backward:
+        """The backward cascade for the gradients of ``outputs`` (default: the outputs no
+        other value reads), derived by reverse-mode differentiation and proven against
+        ``sympy.diff`` of the multi-pass definition (``algebra.backward``).
+
+        Examples
+        --------
+        >>> from algebra import derive
+        >>> b = derive("log_softmax").backward()
+        >>> print(b.spec)
+        g_lse_sum = sum(-dy[i]/lse_sum)
+        dx[i] = dy[i] + g_lse_sum*exp(-m + x[i])
+        >>> b.saved, b.proven
+        (('lse_sum', 'm'), True)
+        """
+        key = ("backward", None if outputs is None else tuple(outputs))
+        return self.compiled(key, lambda: backward(self.cascade, outputs))
 
     # Step 2. How to show it ---------------------------------------------------------
     def sections(self) -> list[tuple[str, list[tuple[object, object]]]]:

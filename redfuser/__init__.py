@@ -25,9 +25,18 @@ on first use so that deriving rules does not pay for loading TVM.
 True
 """
 
-from algebra import LIBRARY, FusionRule, NotFusable, SpecError, StagedRule, derive, reference
+from algebra import (
+    LIBRARY,
+    FusionRule,
+    NoBackward,
+    NotFusable,
+    SpecError,
+    StagedRule,
+    derive,
+    reference,
+)
 
-__all__ = ["LIBRARY", "FuseReport", "FusionRule", "Kernel", "NotFusable", "SpecError",
+__all__ = ["LIBRARY", "FuseReport", "FusionRule", "Kernel", "NoBackward", "NotFusable", "SpecError",
            "QuantGemm", "StagedRule", "compile", "derive", "fuse", "lift", "quant_gemm",
            "reference"]
 

@@ -1,7 +1,8 @@
 """Command line.
 
-``redfuser derive "<spec>" | NAME | -f FILE | --all [--latex | --json] [--passes auto]``:
-derive and prove (``--passes auto``: a cascade with no one-pass rule is cut into stages).
+``redfuser derive "<spec>" | NAME | -f FILE | --all [--latex | --json] [--passes auto]
+[--backward]``: derive and prove (``--passes auto``: a cascade with no one-pass rule is cut
+into stages; ``--backward``: the backward cascade of the gradients, proven, and its rule).
 ``redfuser kernels [NAME ...]``: compile each library cascade (fused and unfused), check it
 against the float64 oracle and time both (what ``make demo`` runs after ``derive --all``).
 ``redfuser tune "<spec>" | NAME --shape x=4096x4096 | --model NAME_OR_FILE [--rpc HOST:PORT
@@ -9,7 +10,7 @@ against the float64 oracle and time both (what ``make demo`` runs after ``derive
 on a device pool, print predicted vs measured time per candidate, store the best in the
 tuning database (``cli_tune.py``).
 ``redfuser db show | export FILE | import FILE | merge FILE...``: list the tuning database,
-write it to a portable file, fold other machines' databases in.
+write it to a portable file, merge other machines' databases in.
 ``redfuser bench [--tuned] ...``: the benchmark (``python -m redfuser.tools.bench``).
 
 The commands that compile import their modules when they run (TVM takes about 0.6 s to
@@ -26,7 +27,7 @@ import stat
 import sys
 import time
 
-from algebra import LIBRARY, NotFusable, SpecError, derive
+from algebra import LIBRARY, NoBackward, NotFusable, SpecError, derive
 from algebra.limits import MAX_SPEC_CHARS
 from algebra.stages import StagedLowering
 
@@ -77,11 +78,24 @@ def _derive_cmd(args: argparse.Namespace) -> int:
         raise UsageError("give a spec, a library name (--list), -f FILE or --all")
     try:
         rule = derive(spec, passes=_passes(args.passes))
-    except (SpecError, NotFusable) as e:
+        if args.backward:
+            return _backward(rule)
+    except (SpecError, NotFusable, NoBackward) as e:
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(rule.to_latex() if args.latex else rule.to_json() if args.json else rule)
     return 0
+
+
+def _backward(rule) -> int:
+    """--backward: the backward cascade, its proof, then its own one-pass rule."""
+    if not hasattr(rule, "backward"):
+        raise NoBackward("--backward needs a one-pass rule (--passes 1)")
+    b = rule.backward()
+    print(b)
+    print()
+    print(derive(b.spec))
+    return 0 if b.proven else 1
 
 
 def _passes(text: str) -> int | str:
@@ -235,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--all", action="store_true", help="derive the whole built-in library")
     d.add_argument("--passes", choices=("1", "auto"), default="1",
                    help="1: one pass or refuse (default); auto: the fewest one-pass stages")
+    d.add_argument("--backward", action="store_true",
+                   help="derive and prove the backward cascade (the gradients) instead")
     fmt = d.add_mutually_exclusive_group()
     fmt.add_argument("--latex", action="store_true", help="print LaTeX")
     fmt.add_argument("--json", action="store_true", help="print JSON")
@@ -271,8 +287,8 @@ def _db_parser(sub) -> None:
     actions.add_parser("show", parents=[where], help="list every entry")
     e = actions.add_parser("export", parents=[where], help="write every entry to a new file")
     e.add_argument("file", help="the file to create (an existing one is never replaced)")
-    for name, what in (("import", "fold one database file in"),
-                       ("merge", "fold several database files in")):
+    for name, what in (("import", "merge one database file in"),
+                       ("merge", "merge several database files in")):
         m = actions.add_parser(name, parents=[where], help=what + " (the newer record of "
                                                               "a key wins)")
         m.add_argument("files", nargs=1 if name == "import" else "+", metavar="FILE")

@@ -11,10 +11,18 @@ under ``torch.compile(fullgraph=True)`` and ``torch.export``, with static or sym
 an output's sizes are the inputs' own, and sizes the layout needs equal (q's, k's and v's
 D) become torch guards or export constraints.
 
-Tensors that require grad are read as they are (detached, no copy).  No op has a backward
-yet (``backward_rule``): its outputs carry a graph whose backward raises
-``NotImplementedError`` naming the op, so a training step fails clearly instead of
-silently leaving the op's inputs without gradients.
+Tensors that require grad are read as they are (detached, no copy).  An op is
+differentiable where the engine derives and proves its backward (``FusionRule.backward``):
+the backward cascade is registered as an op of its own (``<name>_backward``, so that
+``torch.compile`` traces it too), the forward saves only the per-row results the backward
+reads (where one is a hidden sum, such as log_softmax's ``lse_sum``, the forward runs the
+cascade written with it named and returns it after the declared outputs), and gradients
+of inputs that rows share (a LayerNorm weight of shape (N,)) are summed over the rows by
+torch's ``sum_to_size``.  Outputs other than the differentiated ones (the statistics m and
+d of softmax) are marked non-differentiable, as torch marks indices.  An op whose backward
+is refused gets outputs whose backward raises ``NotImplementedError`` naming the op and
+the reason, so a training step fails clearly instead of silently leaving the op's inputs
+without gradients.
 
 Import this module explicitly (``import redfuser.torch``): it loads torch, which
 ``import redfuser`` does not.
@@ -22,25 +30,19 @@ Import this module explicitly (``import redfuser.torch``): it loads torch, which
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
+import sympy as sp
 import torch
-from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
 
-from algebra import FusionRule, derive
-from algebra.layout import Layout, resolve, vector_results
+from algebra import Backward, FusionRule, NoBackward, derive
 
-from .call import user_shape
 from .kernel import Kernel
-from .lowering import geometry, signature
+from .torch_shapes import output_specs
 
 NAMESPACE = "redfuser"
-TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
 _REGISTERED: dict[str, CascadeOp] = {}
 
 
@@ -57,19 +59,23 @@ class CascadeOp:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     torch_op: object
+    spec: str = ""  # the spec registered (the kernel may run it with hidden sums named)
 
     def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
-        return self.torch_op(*args, **kwargs)
+        """The declared outputs (the torch op may return saved results after them)."""
+        return self.torch_op(*args, **kwargs)[:len(self.outputs)]
 
 
 def op(spec_or_rule: FusionRule | str, name: str | None = None,
-       scalars: tuple[str, ...] = (), **options) -> CascadeOp:
+       scalars: tuple[str, ...] = (), differentiable: bool = True, **options) -> CascadeOp:
     """Register the compiled cascade as the torch custom op ``torch.ops.redfuser.<name>``.
 
     ``name`` defaults to the library rule's name (required for an inline spec); parameters
     listed in ``scalars`` are Python floats in the schema, every other input a tensor (a
     0-d tensor for a scalar is fine).  ``options`` go to ``redfuser.compile``.  Registering
     the same name again returns the existing op when the spec is the same, else raises.
+    ``differentiable``: derive the backward (module docstring); False registers the
+    forward alone (a backward op's own registration).
 
     Examples
     --------
@@ -85,15 +91,21 @@ def op(spec_or_rule: FusionRule | str, name: str | None = None,
     name = _op_name(rule, name)
     if name in _REGISTERED:
         return _existing(_REGISTERED[name], rule)
-    kernel = Kernel(rule, **options)
     inputs = _input_order(rule)
     unknown = sorted(set(scalars) - {p.name for p in rule.cascade.params})
     if unknown:
         raise ValueError(f"scalars {unknown} are not parameters of the spec; its parameters "
                          f"are {[p.name for p in rule.cascade.params]}")
-    schema = _schema(rule, inputs, set(scalars))
-    torch_op = _register(name, kernel, inputs, schema)
-    _REGISTERED[name] = CascadeOp(name, kernel, inputs, tuple(rule.outputs), torch_op)
+    grad = _backward_of(rule, name, scalars, options) if differentiable else None
+    hidden = isinstance(grad, Gradient) and grad.derived.forward_spec != rule.cascade.text
+    run = derive(grad.derived.forward_spec) if hidden else rule
+    kernel = Kernel(run, **options)
+    outputs = tuple(rule.outputs)
+    returned = outputs + tuple(o for o in run.outputs if o not in outputs)
+    schema = _schema(inputs, returned, set(scalars))
+    torch_op = _register(name, kernel, inputs, returned, schema)
+    _register_autograd(torch_op, name, inputs, returned, grad)
+    _REGISTERED[name] = CascadeOp(name, kernel, inputs, outputs, torch_op, rule.cascade.text)
     return _REGISTERED[name]
 
 
@@ -107,7 +119,7 @@ def _op_name(rule: FusionRule, name: str | None) -> str:
 
 
 def _existing(registered: CascadeOp, rule: FusionRule) -> CascadeOp:
-    if registered.kernel.rule.cascade.text != rule.cascade.text:
+    if registered.spec != rule.cascade.text:
         raise ValueError(f"torch.ops.{NAMESPACE}.{registered.name} is already registered "
                          "for another spec; pass another name")
     return registered
@@ -121,15 +133,14 @@ def _input_order(rule: FusionRule) -> tuple[str, ...]:
     return tuple(dict.fromkeys(t for t in tokens if t in names))
 
 
-def _schema(rule: FusionRule, inputs: tuple[str, ...], scalars: set[str]) -> str:
+def _schema(inputs: tuple[str, ...], outputs: tuple[str, ...], scalars: set[str]) -> str:
     args = ", ".join(f"{'float' if n in scalars else 'Tensor'} {n}" for n in inputs)
-    outs = ", ".join("Tensor" for _ in rule.outputs)
+    outs = ", ".join("Tensor" for _ in outputs)
     return f"({args}) -> ({outs})"
 
 
-def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], schema: str):
-    outputs = kernel.rule.outputs
-
+def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], outputs: tuple[str, ...],
+              schema: str):
     def real(*args):
         # Detached views, no copy: DLPack refuses to export a tensor that requires grad,
         # and the kernel only reads it; the autograd layer (``_register_autograd``), not
@@ -144,41 +155,126 @@ def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], schema: str):
     def fake(*args):
         values = dict(zip(inputs, args, strict=True))
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
-        return tuple(torch.empty(shape, dtype=dtype, device=device)
-                     for shape, dtype in output_specs(kernel.rule, values).values())
+        specs = output_specs(kernel.rule, values)
+        return tuple(torch.empty(specs[n][0], dtype=specs[n][1], device=device)
+                     for n in outputs)
 
     torch_op = torch.library.custom_op(f"{NAMESPACE}::{name}", real, mutates_args=(),
                                        schema=schema)
     torch_op.register_fake(fake)
-    _register_autograd(torch_op, name, kernel.rule)
     return torch_op
 
 
 # Autograd ---------------------------------------------------------------------------------
-def backward_rule(rule: FusionRule) -> Callable | None:
-    """The backward of the op computing ``rule``, or None where it has none.
-
-    A backward is ``backward(ctx, *grads)`` (one gradient per output) returning one
-    gradient per op input (None for a float), reading ``ctx.saved_tensors``: the tensor
-    inputs in argument order, then the outputs (``_save_for_backward``).  No rule has one
-    yet: this is the one place where derived backward rules plug in; an op without one
-    gets a backward that raises (``_no_backward``).
-    """
-    return None
+# torch's spelling of the functions a backward map may hold (``Backward.maps``)
+TORCH_FUNCS = {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "Abs": torch.abs,
+               "tanh": torch.tanh, "sign": torch.sign, "Where": torch.where}
 
 
-def _register_autograd(torch_op, name: str, rule: FusionRule) -> None:
-    backward = backward_rule(rule) or partial(_no_backward, name)
-    torch_op.register_autograd(backward, setup_context=_save_for_backward)
+@dataclass(frozen=True)
+class Gradient:
+    """An op's derived backward: the algebra's ``Backward`` and how it runs, the backward
+    cascade's own op (``<name>_backward``), or, for a backward with no sum (a map of the
+    saved values, ``Backward.is_map``), torch's elementwise ops."""
+
+    derived: Backward
+    op: CascadeOp | None
+
+    def run(self, values: dict) -> dict:
+        """Gradient name -> tensor, from the backward's inputs by name."""
+        if self.op is not None:
+            return dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
+                            strict=True))
+        streams = {s.name for s in self.derived.forward.streams} | set(self.derived.maps)
+        streams |= {g for o, g in self.derived.upstream.items()
+                    if o in self.derived.forward.elementwise}
+        out = {}
+        for name, expr in self.derived.maps.items():
+            args = sorted(expr.free_symbols, key=lambda s: s.name)
+            f = sp.lambdify(args, expr, modules=[TORCH_FUNCS])
+            out[name] = f(*(_per_element(values[a.name], a.name in streams) for a in args))
+        return out
 
 
-def _save_for_backward(ctx, inputs: tuple, output: tuple) -> None:
+def _per_element(value, stream: bool):
+    """A per-row value broadcast over the stream axis (a stream is as it is)."""
+    if stream or not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    return value.unsqueeze(-1)
+
+
+def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | str:
+    """The derived, proven backward of ``rule`` registered as ``<name>_backward``, or why
+    there is none (the op's backward then raises with that reason)."""
+    try:
+        derived = rule.backward()
+    except NoBackward as e:
+        return str(e)
+    if not derived.proven:
+        return "its backward did not prove (redfuser derive --backward shows the proof)"
+    if derived.is_map:
+        return Gradient(derived, None)
+    grad_scalars = tuple(s for s in scalars if s in derived.spec)
+    return Gradient(derived, op(derived.spec, f"{name}_backward", grad_scalars,
+                                differentiable=False, **options))
+
+
+def _register_autograd(torch_op, name: str, inputs: tuple[str, ...],
+                       returned: tuple[str, ...], grad: Gradient | str | None) -> None:
+    if isinstance(grad, Gradient):
+        setup = partial(_save_for_backward, grad.derived.upstream, returned)
+        torch_op.register_autograd(partial(_derived_backward, name, grad, inputs, returned),
+                                   setup_context=setup)
+    else:
+        why = grad or "registered with differentiable=False"
+        torch_op.register_autograd(partial(_no_backward, f"{name}: {why}"),
+                                   setup_context=partial(_save_for_backward, None, returned))
+
+
+def _save_for_backward(upstream: dict | None, returned: tuple, ctx, inputs: tuple,
+                       output: tuple) -> None:
+    """Save the tensor inputs and the outputs; with a derived backward, the outputs it does
+    not differentiate (``upstream``: those it does) carry no gradient."""
     ctx.tensor_inputs = tuple(isinstance(v, torch.Tensor) for v in inputs)
+    ctx.scalars = tuple(v for v in inputs if not isinstance(v, torch.Tensor))
     ctx.save_for_backward(*(v for v in inputs if isinstance(v, torch.Tensor)), *output)
+    if upstream is not None:
+        ctx.mark_non_differentiable(*(t for n, t in zip(returned, output, strict=True)
+                                      if n not in upstream))
 
 
-def _no_backward(name: str, ctx, *grads) -> tuple:
-    """The backward of an op without a backward rule: gradients that raise when computed.
+def _derived_backward(name: str, grad: Gradient, inputs: tuple, returned: tuple, ctx,
+                      *grads) -> tuple:
+    """Run ``<name>_backward`` on the saved values and the upstream gradients; each input
+    gets its gradient summed to its own shape (rows that share it add up)."""
+    saved = iter(ctx.saved_tensors)
+    scalars = iter(ctx.scalars)
+    values = {n: next(saved) if t else next(scalars)
+              for n, t in zip(inputs, ctx.tensor_inputs, strict=True)}
+    outputs = dict(zip(returned, saved, strict=False))
+    values |= {n: outputs[n] for n in grad.derived.saved}
+    for o, g in zip(returned, grads, strict=True):
+        if o in grad.derived.upstream:
+            name = grad.derived.upstream[o]
+            values[name] = torch.zeros_like(outputs[o]) if g is None else g.contiguous()
+    out = grad.run(values)
+    result = []
+    for n, is_tensor, need in zip(inputs, ctx.tensor_inputs, ctx.needs_input_grad,
+                                  strict=True):
+        named = grad.derived.gradients.get(n)
+        if not (is_tensor and need):
+            result.append(None)
+        elif named is None:
+            result.append(_refuse_backward(f"{name}: no gradient of {n}: "
+                                           f"{grad.derived.refused.get(n, '')}",
+                                           [values[n]])[0])
+        else:
+            result.append(out[named[0]].sum_to_size(values[n].shape))
+    return tuple(result)
+
+
+def _no_backward(why: str, ctx, *grads) -> tuple:
+    """The backward of an op without a derived one: gradients that raise when computed.
 
     Raising here directly would fail ``torch.compile`` on any input that requires grad
     (AOTAutograd traces the backward with the forward, before anything runs); the error
@@ -187,121 +283,18 @@ def _no_backward(name: str, ctx, *grads) -> tuple:
     silently skip this op's inputs, hence a graph at all.
     """
     saved = ctx.saved_tensors[:sum(ctx.tensor_inputs)]
-    grads_in = iter(_refuse_backward(name, list(saved)))
+    grads_in = iter(_refuse_backward(why, list(saved)))
     return tuple(next(grads_in) if tensor else None for tensor in ctx.tensor_inputs)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::_no_backward", mutates_args=())
-def _refuse_backward(op: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Raise that ``torch.ops.redfuser.<op>`` has no backward (its fake gives the shapes)."""
+def _refuse_backward(why: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Raise that an op has no (such) backward, and why (its fake gives the shapes)."""
     raise NotImplementedError(
-        f"redfuser.{op}: torch.ops.{NAMESPACE}.{op} has no backward yet (redfuser ops are "
-        "not differentiable): no gradient can flow through it to its inputs; pass it "
+        f"redfuser.{why}: no gradient can flow through this op to these inputs; pass it "
         "detached inputs (x.detach()) or call it under torch.no_grad() where none has to")
 
 
 @_refuse_backward.register_fake
-def _(op: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def _(why: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty_like(t) for t in inputs]
-
-
-# Output shapes ----------------------------------------------------------------------------
-def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch.dtype]]:
-    """Every output's (shape, dtype) for tensors (real, fake or symbolic-sized) and numbers.
-
-    The layout is resolved and checked as a call resolves it, on zero-strided stand-ins
-    (no memory) of the inputs' sizes, a symbolic size at its value in the example torch
-    traces; with symbolic sizes, the outputs' sizes are then taken from the inputs' own
-    (``_symbolic``), so that they follow the inputs to other sizes.
-
-    Examples
-    --------
-    >>> import redfuser
-    >>> specs = output_specs(redfuser.derive("moe_routing"), {"x": torch.zeros(3, 16)})
-    >>> [(n, shape, str(dtype)) for n, (shape, dtype) in specs.items()][2:]
-    [('p', (3, 8), 'torch.float32'), ('e', (3, 8), 'torch.int64')]
-    """
-    shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else () for k, v in inputs.items()}
-    stand_ins = {k: np.broadcast_to(np.float32(0), tuple(_hint(rule, k, s) for s in shapes[k]))
-                 if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    layout = resolve(rule.cascade, stand_ins, dtype=np.float32)
-    sig = signature(rule, geometry(rule, layout))
-    if any(isinstance(s, torch.SymInt) for shape in shapes.values() for s in shape):
-        layout = _symbolic(rule.cascade, layout, shapes)
-    vector = vector_results(rule.cascade, layout.vector)  # as call.call_plan reads it
-    return {a.name: (user_shape(rule, layout, a, vector), TORCH_DTYPES[a.dtype])
-            for a in sig.outputs}
-
-
-def _hint(rule: FusionRule, name: str, size) -> int:
-    """A size's value in the example being traced (a static size is its own)."""
-    if not has_guarding_hint(size):
-        raise NotImplementedError(
-            f"redfuser.{rule.name}: input '{name}' has a data-dependent size ({size}); the "
-            "op's output shapes need the sizes torch knows when it traces")
-    return guarding_hint_or_throw(size)
-
-
-def _symbolic(cascade, layout: Layout, shapes: dict[str, tuple]) -> Layout:
-    """``layout`` with its rows, N and D the inputs' own sizes (SymInts where symbolic).
-
-    The sizes the layout needs equal (every stream's N, every vector input's D) are
-    declared equal to torch with ``torch._check``, which makes each a guard (or, under
-    ``torch.export``, a constraint on the declared dims) rather than a check of values;
-    rows broadcast as torch broadcasts them.
-    """
-    streams = [s.name for s in cascade.streams]
-    tails = {k: _tail(k, layout.vector, streams) for k in shapes}
-    rows = torch.broadcast_shapes(*(s[:len(s) - tails[k]] for k, s in shapes.items()))
-    n = _same("N", {s: shapes[s][len(shapes[s]) - tails[s]] for s in streams}, layout.n)
-    d = _same("D", {k: shapes[k][-1] for k in sorted(layout.vector)}, layout.d)
-    _keep_readings(cascade, layout, shapes, n)
-    return dataclasses.replace(layout, rows=tuple(rows), n=n, d=d)
-
-
-def _tail(name: str, vector, streams: list[str]) -> int:
-    """How many trailing axes of an input are not row axes (as ``algebra.layout.resolve``
-    counts them): N[, D] of a stream, D of a vector parameter, none of a scalar one."""
-    if name in streams:
-        return 2 if name in vector else 1
-    return 1 if name in vector else 0
-
-
-def _same(axis: str, sizes: dict[str, object], default):
-    """The one size ``sizes`` (input -> its size of ``axis``) all have, declared to torch."""
-    if not sizes:
-        return default
-    (first, size), *rest = sizes.items()
-    for name, other in rest:
-        torch._check(other == size, lambda name=name, other=other: (
-            f"input '{name}' has {axis} = {other}, input '{first}' {axis} = {size}: "
-            "they must be equal"))
-    return size
-
-
-def _keep_readings(cascade, layout: Layout, shapes: dict[str, tuple], n) -> None:
-    """Guard the reading of every stream spelled ``x[i]`` where sizes could change it.
-
-    ``algebra.layout`` reads such a stream as (*rows, N, D) or (*rows, N) by comparing its
-    trailing sizes with N and D (``_reads_as_vector``); where both readings fit, the ranks
-    decide.  The reading at the example's sizes (``layout.vector``) must hold at every size
-    the traced graph is reused for, so the comparison that made it becomes a guard; where
-    the ranks decide, none does (an export with N and D both dynamic must not be told that
-    they differ).
-    """
-    streams = [s.name for s in cascade.streams]
-    declared, params = cascade.vector_inputs, {p.name for p in cascade.params}
-    other_rank = max((len(shapes[k]) - _tail(k, declared, streams) for k in shapes
-                      if k in declared or k in params), default=0)
-    d = next((shapes[k][-1] for k in sorted(declared)), None)  # D before the x[i] are read
-    for s in streams:
-        shape = shapes[s]
-        if s in declared or len(shape) < 2:
-            continue
-        ranks_decide = other_rank > 0 and len(shape) - 1 > other_rank >= len(shape) - 2
-        if s in layout.vector:
-            if not ranks_decide:  # (*rows, N, D) because (*rows, N) does not fit
-                torch._check(shape[-1] != n)
-            d = shape[-1]
-        elif ranks_decide:  # (*rows, N) because (*rows, N, D) does not fit
-            torch._check(shape[-2] != n if d is None else (shape[-2] != n) | (shape[-1] != d))

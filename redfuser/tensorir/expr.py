@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import sympy as sp
-from sympy.printing.str import StrPrinter
 
+from algebra import printing
 from algebra.laws import LAWS
 from algebra.vocabulary import FUNCTIONS
 
@@ -167,49 +167,8 @@ NODES: dict[type, Callable] = {
 # -- sympy -> spec text ---------------------------------------------------------------------
 
 RESERVED = {"i", "N", "pi", "inf", *FUNCTIONS, *LAWS, *keyword.kwlist, "step"}
-# sympy class name -> spec function name (Maximum prints as the reduction "max" otherwise)
-SPEC_FUNCS = {"exp": "exp", "log": "log", "Abs": "abs", "tanh": "tanh", "Sigmoid": "sigmoid",
-              "Relu": "relu", "Softplus": "softplus", "sin": "sin", "cos": "cos", "erf": "erf",
-              "log1p": "log1p", "expm1": "expm1", "floor": "floor", "ceiling": "ceil",
-              "Round": "round", "sign": "sign", "Maximum": "maximum", "Minimum": "minimum",
-              "Max": "maximum", "Min": "minimum"}
-
-
-class _SpecPrinter(StrPrinter):
-    """sympy's own printer (precedence, ``x/d``, ``sqrt``) with the spec's spellings."""
-
-    printmethod = "_redfuser_spec"  # skip the ``_sympystr`` of Maximum ("max": a reduction)
-
-    def __init__(self, name: Callable[[sp.Symbol], str]):
-        super().__init__()
-        self._name = name
-
-    def _print_Symbol(self, expr):
-        return self._name(expr)
-
-    def _print_Function(self, expr):
-        fname = SPEC_FUNCS.get(type(expr).__name__)
-        if fname is None:
-            raise LiftError(f"`{expr}` has no spelling in the spec language")
-        args = [self._print(a) for a in expr.args]
-        while len(args) > 2:  # sympy's n-ary Max/Min
-            args = [f"{fname}({args[0]}, {args[1]})", *args[2:]]
-        return f"{fname}({', '.join(args)})"
-
-    _print_Max = _print_Min = _print_Function
-
-    def _print_Exp1(self, expr):
-        return "exp(1)"
-
-    def _print_Infinity(self, expr):
-        return "inf"
-
-    def _print_NegativeInfinity(self, expr):
-        return "(-inf)"
-
-
 def spec_text(expr: sp.Expr, name: Callable[[sp.Symbol], str]) -> str:
-    """``expr`` in the spec language; symbols print through ``name``.
+    """``expr`` in the spec language (``algebra.printing``); no spelling is a LiftError.
 
     Examples
     --------
@@ -217,7 +176,7 @@ def spec_text(expr: sp.Expr, name: Callable[[sp.Symbol], str]) -> str:
     >>> spec_text(sp.exp(x - m) / d, lambda s: {"x": "x[i]"}.get(s.name, s.name))
     'exp(-m + x[i])/d'
     """
-    return _SpecPrinter(name).doprint(expr)
+    return printing.spec_text(expr, name, LiftError)
 
 
 def spec_name(buffer_name: str, taken: set[str]) -> str:

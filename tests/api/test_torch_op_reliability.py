@@ -99,31 +99,33 @@ def test_torch_export_with_heads_and_d_shared_by_q_k_v():
         torch.testing.assert_close(o.double(), _attention64(q, k, v, 0.125), rtol=TOL, atol=TOL)
 
 
-def test_requires_grad_computes_and_backward_names_the_op():
-    rt.op("softmax", tune=False)
+def test_requires_grad_computes_and_a_refused_backward_names_the_op_and_why():
+    """moe_routing's top-k has no derived subgradient: the backward raises with the reason
+    (``algebra.backward.REFUSALS``) instead of leaving x without a gradient."""
+    rt.op("moe_routing", tune=False)
     x = torch.randn(4, 64, requires_grad=True)
-    m, d, y = torch.ops.redfuser.softmax(x)
-    torch.testing.assert_close(y.double(), torch.softmax(x.detach().double(), -1),
+    m, d, p, e = torch.ops.redfuser.moe_routing(x)
+    torch.testing.assert_close(p.double(), torch.softmax(x.detach().double(), -1).topk(8)[0],
                                rtol=TOL, atol=TOL)
-    assert y.requires_grad and y.grad_fn is not None  # a graph, not silently cut
-    with pytest.raises(NotImplementedError, match=r"redfuser\.softmax: .*no backward yet"):
-        y.sum().backward()
+    assert p.requires_grad and p.grad_fn is not None  # a graph, not silently cut
+    with pytest.raises(NotImplementedError, match=r"redfuser\.moe_routing: p = topk.*subgrad"):
+        p.sum().backward()
     assert x.grad is None
 
 
 def test_requires_grad_under_torch_compile():
-    rt.op("softmax", tune=False)
+    rt.op("greedy_token", tune=False)
     lin = torch.nn.Linear(16, 16)  # parameters: every forward builds a graph
 
     def model(x):
-        return torch.ops.redfuser.softmax(lin(x))[2]
+        return torch.ops.redfuser.greedy_token(lin(x))[2]
 
     x = torch.randn(3, 16)
-    y = torch.compile(model, fullgraph=True)(x)
-    torch.testing.assert_close(y.double(), torch.softmax(lin(x).detach().double(), -1),
+    p = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(p.double(), torch.softmax(lin(x).detach().double(), -1).amax(-1),
                                rtol=TOL, atol=TOL)
-    with pytest.raises(NotImplementedError, match=r"redfuser\.softmax: .*not differentiable"):
-        y.sum().backward()
+    with pytest.raises(NotImplementedError, match=r"redfuser\.greedy_token: p = max.*subgrad"):
+        p.sum().backward()
 
 
 def test_a_kernel_copies_a_misaligned_tensor_that_requires_grad():

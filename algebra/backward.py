@@ -1,0 +1,467 @@
+"""Backward cascades: the gradient of a forward cascade, derived by reverse-mode
+differentiation of its lifted form, written as a new spec and proven.
+
+The forward's values are the stream's elements, per-row parameters, per-row results (each
+reduction and epilogue) and per-element outputs.  Given the upstream gradient of the
+outputs a caller differentiates (``dy[i]`` for a per-element output, ``dr`` per row for a
+per-row result), every per-row result R gets an *adjoint* ``row + sum(body)``: a per-row
+part plus a sum over the stream, accumulated from R's readers in reverse order (chain
+rule).  A reduction ``R = sum(b(x, a))`` passes ``adjoint(R) * sum(db/da)`` to each anchor
+or parameter ``a``: where ``db/da = c(a) * b`` (exp(x - m): c = -1) that is ``c * R``, no new
+sum; otherwise the adjoint of R is *materialised* as a line of the backward spec
+(``g_R = ... + sum(...)``) and read as an anchor, which makes the backward a cascade that
+the same engine fuses and proves.  A max/min reduction passes nothing where the outputs do
+not depend on it (a stabiliser: softmax's m), which is proven, not assumed; otherwise the
+backward is refused.  The stream's gradient is a per-element output:
+``dx[i] = sum_y dy[i] dy/dx + sum_R g_R db_R/dx``.
+
+What the forward keeps is derived: the per-row results the backward spec reads (``saved``);
+per-element forward values are recomputed from them (softmax saves m and d, not y).
+
+Every gradient is proven: the cascade is unrolled at N = 1, 2 and 3 symbolic elements, and
+``sympy.diff`` of the loss ``sum dy * y + dr * r`` (the multi-pass definition) must equal
+the backward spec unrolled the same way, element by element and for every parameter; each
+stabiliser's adjoint must simplify to 0.  Sums are symmetric in their elements, so three
+elements cover an element's own term and the others'.
+
+Conventions (torch's): a select ``where(c, a, b)`` is differentiated branch by branch (the
+condition is piecewise constant: no gradient through it); ``relu'(0) = 0``; ``abs'(0) = 0``.
+
+Examples
+--------
+>>> from algebra.spec import parse
+>>> b = backward(parse("m = max(x[i])\\nd = sum(exp(x[i] - m))\\ny[i] = exp(x[i] - m) / d"))
+>>> print(b.spec)
+g_d = sum(-dy[i]*exp(-m + x[i])/d**2)
+dx[i] = (d*g_d + dy[i])*exp(-m + x[i])/d
+>>> b.saved, b.proven
+(('d', 'm'), True)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import sympy as sp
+
+from .cascade import POSITION, Cascade, N
+from .errors import NoBackward
+from .functions import Relu, Where
+from .names import fresh
+from .printing import spec_text
+
+PROOF_LENGTHS = (1, 2, 3)  # unrolled element counts the gradients are proven at
+STABILISERS = ("max", "min")  # reductions that may pass nothing (their adjoint is proven 0)
+
+# why a gradient or a whole backward is refused, as data: reason -> message template
+REFUSALS = {
+    "vector_result": "result {name} is a feature vector: the adjoint of a vector result is "
+                     "not derived (attention's o, rmsnorm_gemm's y)",
+    "selection": "{name} = {op}(...) selects elements and the outputs may depend on it (its "
+                 "adjoint is not proven 0): its subgradient (to the selected element) is not "
+                 "derived",
+    "index": "{name} is an index: integer outputs have no gradient",
+    "op": "{name} = {op}(...): only sum reductions and max/min stabilisers are "
+          "differentiated",
+    "vector_input": "{name} holds feature vectors: its gradient is a per-element vector, "
+                    "summed over the rows that share it (the other orientation; not built)",
+    "underivable": "d/d{name} of `{expr}` has no closed form in the spec language",
+}
+
+
+def refusal(reason: str, **what) -> str:
+    return REFUSALS[reason].format(**what)
+
+
+@dataclass(frozen=True)
+class Adjoint:
+    """d loss / d R for a per-row value R: ``row + sum over the stream of body``."""
+
+    row: sp.Expr = sp.S.Zero
+    body: sp.Expr = sp.S.Zero
+
+    def __add__(self, other: Adjoint) -> Adjoint:
+        return Adjoint(self.row + other.row, self.body + other.body)
+
+    def times(self, c: sp.Expr) -> Adjoint:
+        return Adjoint(self.row * c, self.body * c)
+
+    def vanishes(self) -> bool:
+        return sp.simplify(self.row) == 0 and sp.simplify(self.body) == 0
+
+
+@dataclass(frozen=True)
+class Backward:
+    """The backward cascade of a forward one: its spec, what it reads, what it proves."""
+
+    forward: Cascade
+    spec: str
+    upstream: dict[str, str]  # forward output -> its gradient's input name
+    gradients: dict[str, tuple[str, str]]  # forward input -> (gradient name, orientation)
+    saved: tuple[str, ...]  # forward per-row results the backward reads
+    forward_spec: str  # the forward with every saved result an output (hidden sums named)
+    stabilisers: tuple[str, ...]  # max/min results the outputs do not depend on (proven)
+    refused: dict[str, str] = field(default_factory=dict)  # input -> why no gradient
+    proofs: tuple[tuple[str, bool], ...] = ()
+    maps: dict[str, sp.Expr] = field(default_factory=dict)  # gradient -> its per-element form
+
+    @property
+    def is_map(self) -> bool:
+        """No sum in the backward: each gradient is a map of the saved values (logsumexp's
+        dx = dlse * exp(x - lse)), which the spec language, a language of reductions,
+        does not spell as a kernel; ``maps`` holds it for the caller to run."""
+        return "sum(" not in self.spec
+
+    @property
+    def proven(self) -> bool:
+        return bool(self.proofs) and all(ok for _, ok in self.proofs)
+
+    def __str__(self) -> str:
+        up = ", ".join(f"{g} (of {o})" for o, g in self.upstream.items())
+        lines = [f"backward of: {', '.join(self.upstream)}", f"  upstream: {up}",
+                 f"  saved by the forward: {', '.join(self.saved) or 'nothing'}"
+                 " (per-element values are recomputed from them)"]
+        for name, (grad, how) in self.gradients.items():
+            lines.append(f"  {grad}: gradient of {name}, {how}")
+        lines += [f"  no gradient of {name}: {why}" for name, why in self.refused.items()]
+        lines += [f"  {s}: a stabiliser, the outputs do not depend on it (proven)"
+                  for s in self.stabilisers]
+        lines.append("spec:")
+        lines += [f"  {line}" for line in self.spec.splitlines()]
+        lines.append("proof:")
+        lines += [f"  [{'proven' if ok else 'FAILED'}] {what}" for what, ok in self.proofs]
+        return "\n".join(lines)
+
+
+def diff(expr: sp.Expr, s: sp.Symbol) -> sp.Expr:
+    """d expr / d s with torch's conventions (module docstring): relu as a select, a
+    select's condition held constant."""
+    expr = expr.replace(Relu, lambda u: Where(u > 0, u, 0))
+    frozen = {}
+
+    def hold(w):
+        if s not in w.args[0].free_symbols:
+            return w
+        k = sp.Dummy(f"held_{s.name}", real=True)
+        frozen[k] = s
+        return Where(w.args[0].subs(s, k), *w.args[1:])
+
+    out = expr.replace(lambda e: isinstance(e, Where), hold).diff(s).subs(frozen)
+    if out.has(sp.Derivative):
+        raise NoBackward(refusal("underivable", name=s.name, expr=expr))
+    return out
+
+
+
+@dataclass
+class _Sweep:
+    """The reverse sweep's working data: adjoints, the backward spec's lines, names."""
+
+    c: Cascade
+    sym: dict[str, sp.Symbol]
+    taken: set[str]
+    adjoint: dict[str, Adjoint] = field(default_factory=lambda: defaultdict(Adjoint))
+    lines: list[tuple[str, sp.Expr]] = field(default_factory=list)  # per-row lines, in order
+    held: dict[str, sp.Expr] = field(default_factory=dict)  # result -> its adjoint's value
+
+    def name(self, base: str) -> str:
+        out = fresh(base, self.taken)
+        self.taken.add(out)
+        return out
+
+    def value_of(self, result: str) -> sp.Expr:
+        """The adjoint of ``result`` as one per-row value: inline where it has no sum,
+        else a line ``g_<result> = row + sum(body)`` of the backward spec, read by name."""
+        if result not in self.held:
+            a = self.adjoint[result]
+            if sp.simplify(a.body) == 0:
+                self.held[result] = sp.simplify(a.row)
+            else:
+                g = sp.Symbol(self.name(f"g_{result}"), real=True)
+                self.lines.append((g.name, a.row + _Sum(sp.simplify(a.body))))
+                self.held[result] = g
+        return self.held[result]
+
+
+class _Sum(sp.Function):
+    """``sum(body)`` over the stream, as a node of a backward line (printed as the spec's
+    reduction; unrolled by the proof)."""
+
+    nargs = 1
+
+    def _redfuser_spec(self, printer):
+        return f"sum({printer._print(self.args[0])})"
+
+
+def _symbols(c: Cascade) -> dict[str, sp.Symbol]:
+    """Every symbol the cascade's expressions use, by name, and a real symbol for each
+    result that no expression reads."""
+    exprs = [r.body for r in c.reductions] + [*c.epilogues.values(), *c.elementwise.values()]
+    out = {s.name: s for e in exprs for s in e.free_symbols}
+    for r in c.reductions:
+        out.setdefault(r.name, r.symbol)
+    for name in c.epilogues:
+        out.setdefault(name, sp.Symbol(name, real=True))
+    return out
+
+
+def _results(c: Cascade) -> list[str]:
+    """Per-row results in dependence order (reductions and epilogues interleaved)."""
+    defs = {r.name: r.body for r in c.reductions} | dict(c.epilogues)
+    order: list[str] = []
+
+    def visit(name):
+        if name in order:
+            return
+        for dep in sorted(s.name for s in defs[name].free_symbols if s.name in defs):
+            visit(dep)
+        order.append(name)
+
+    for name in defs:
+        visit(name)
+    return order
+
+
+def terminal_outputs(c: Cascade) -> tuple[str, ...]:
+    """The float outputs no other value reads (softmax: y; logsumexp: lse): what a model
+    differentiates by default; the others are statistics the forward saves, and indices
+    have no gradient."""
+    exprs = [r.body for r in c.reductions] + [*c.epilogues.values(), *c.elementwise.values()]
+    read = {s.name for e in exprs for s in e.free_symbols}
+    indices = {r.name for r in c.reductions if r.op.startswith("arg")}
+    return tuple(o for o in c.outputs if o not in read | indices)
+
+
+def backward(c: Cascade, outputs: tuple[str, ...] | None = None) -> Backward:
+    """The backward cascade of ``c`` for the gradients of ``outputs`` (default: the
+    ``terminal_outputs``), derived and proven (module docstring)."""
+    outputs = terminal_outputs(c) if outputs is None else tuple(outputs)
+    _check_outputs(c, outputs)
+    taken = set(c.names) | set(c.outputs) | {s.name for s in (*c.streams, *c.params)}
+    sw = _Sweep(c, _symbols(c), taken)
+    up = {o: sp.Symbol(sw.name(f"d{o}"), real=True) for o in outputs}
+    stabilisers = _sweep(sw, up)
+    streams, params, refused = _input_gradients(sw, up)
+    spec = _spec_text(c, sw, up, streams)
+    proofs = _prove(c, sw, up, stabilisers, streams, params)
+    exprs = [e for _, e in sw.lines] + [e for _, _, e in streams]
+    saved = sorted({s.name for e in exprs for s in e.free_symbols} & set(_results(c)))
+    grads = {s.name: (g, "per element: a stream of each row, row-parallel")
+             for s, g, _ in streams}
+    grads |= {p: (g, "per row: a sum over the row's stream") for p, g in params.items()}
+    hidden = set(saved) - set(c.outputs)
+    forward_spec = written(c) if hidden else c.text
+    return Backward(c, spec, {o: s.name for o, s in up.items()}, grads, tuple(saved),
+                    forward_spec, tuple(stabilisers), refused, proofs,
+                    {g: e for _, g, e in streams})
+
+
+def _check_outputs(c: Cascade, outputs: tuple[str, ...]) -> None:
+    ops = {r.name: r.op for r in c.reductions}
+    for o in outputs:
+        if o not in c.outputs:
+            raise NoBackward(f"{o} is not an output of the cascade (its outputs: "
+                             f"{', '.join(c.outputs)})")
+        if ops.get(o, "sum") not in ("sum", *STABILISERS):
+            why = "index" if ops[o].startswith("arg") else "selection"
+            raise NoBackward(refusal(why, name=o, op=ops[o]))
+        if c.shapes.get(o) is not None and (c.shapes[o].vec or c.shapes[o].k):
+            raise NoBackward(refusal("vector_result", name=o))
+
+
+def _sweep(sw: _Sweep, up: dict[str, sp.Symbol]) -> list[str]:
+    """Adjoints of every per-row value, readers before what they read; returns the
+    stabilisers (max/min results whose adjoint is proven 0)."""
+    c, reductions = sw.c, {r.name: r for r in sw.c.reductions}
+    values = set(_results(c)) | {p.name for p in c.params}
+    for o, d in up.items():
+        if o in c.elementwise:
+            g = c.elementwise[o]
+            for s in g.free_symbols & {sw.sym[v] for v in values if v in sw.sym}:
+                sw.adjoint[s.name] += Adjoint(body=d * diff(g, s))
+        else:
+            sw.adjoint[o] += Adjoint(row=d)
+    stabilisers = []
+    for name in reversed(_results(c)):
+        a = sw.adjoint[name]
+        if name in c.epilogues:
+            for s in c.epilogues[name].free_symbols:
+                if s.name in values:
+                    sw.adjoint[s.name] += a.times(diff(c.epilogues[name], s))
+            continue
+        red = reductions[name]
+        if a == Adjoint():  # no differentiated output reads it (an index, a statistic)
+            continue
+        if red.op in STABILISERS:
+            if not a.vanishes():
+                raise NoBackward(refusal("selection", name=name, op=red.op))
+            stabilisers.append(name)
+            continue
+        if red.op != "sum":
+            raise NoBackward(refusal("op", name=name, op=red.op))
+        for s in red.body.free_symbols:
+            if s.name in values:
+                sw.adjoint[s.name] += _through_sum(sw, red, s, a)
+    return stabilisers
+
+
+def _through_sum(sw: _Sweep, red, s: sp.Symbol, a: Adjoint) -> Adjoint:
+    """What ``red = sum(b)`` passes to ``s``: adjoint(red) * sum(db/ds).  Where
+    db/ds = c * b with c free of the stream and dividing by nothing db/ds does not (no new
+    pole: x * m gives 1/m), that is c * red; else one more sum."""
+    db = diff(red.body, s)
+    ratio = sp.simplify(db / red.body)
+    per_element = {*sw.c.streams, sp.Symbol("i")} | {POSITION}
+    new_pole = sp.denom(ratio).free_symbols - sp.denom(sp.together(db)).free_symbols
+    if not ratio.free_symbols & per_element and not new_pole:
+        return a.times(ratio * sw.sym[red.name])
+    if sp.simplify(a.body) == 0:
+        return Adjoint(body=a.row * db)
+    return Adjoint(body=sw.value_of(red.name) * db)
+
+
+def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
+    """(stream gradients as (stream, gradient name, per-element expression), parameter
+    gradient names, refused inputs); parameter gradients become lines of the spec."""
+    c, streams, params, refused = sw.c, [], {}, {}
+    sums = [r for r in c.reductions if r.op == "sum"]
+    for s in c.streams:
+        if s.name in c.vector_inputs:
+            refused[s.name] = refusal("vector_input", name=s.name)
+            continue
+        expr = sum((d * diff(c.elementwise[o], s) for o, d in up.items()
+                    if o in c.elementwise), sp.S.Zero)
+        expr += sum((sw.value_of(r.name) * diff(r.body, s) for r in sums
+                     if s in r.body.free_symbols), sp.S.Zero)
+        streams.append((s, sw.name(f"d{s.name}"), sp.simplify(expr)))
+    for p in c.params:
+        a = sw.adjoint[p.name]
+        if p.name in c.vector_inputs:
+            refused[p.name] = refusal("vector_input", name=p.name)
+        elif a.vanishes():
+            refused[p.name] = "the outputs do not depend on it (or only through a condition)"
+        else:
+            g = sw.name(f"d{p.name}")
+            body = sp.simplify(a.body)
+            sw.lines.append((g, sp.simplify(a.row) + (_Sum(body) if body != 0 else 0)))
+            params[p.name] = g
+    return streams, params, refused
+
+
+def _spelling(c: Cascade, per_element: set[str]):
+    """How a symbol is spelled in a spec: a stream ``x[i]`` (``v[i, :]``), else its name."""
+    def name(s: sp.Symbol) -> str:
+        if s.name in c.vector_inputs and s.name in per_element:
+            return f"{s.name}[i, :]"
+        return f"{s.name}[i]" if s.name in per_element else s.name
+    return name
+
+
+def written(c: Cascade) -> str:
+    """The cascade as spec text with every reduction its own named line (a hidden one,
+    such as log_softmax's ``lse_sum``, becomes an output).
+
+    Examples
+    --------
+    >>> from algebra.spec import parse
+    >>> print(written(parse("m = max(x[i])\\nlse = log(sum(exp(x[i] - m))) + m")))
+    m = max(x[i])
+    lse_sum = sum(exp(-m + x[i]))
+    lse = m + log(lse_sum)
+    """
+    name, reductions = _spelling(c, {s.name for s in c.streams}), {r.name: r for r in
+                                                                   c.reductions}
+    lines = []
+    for result in _results(c):
+        if result in reductions:
+            r = reductions[result]
+            k = f", {r.k}" if r.k else ""
+            lines.append(f"{result} = {r.op}({spec_text(r.body, name, NoBackward)}{k})")
+        else:
+            lines.append(f"{result} = {spec_text(c.epilogues[result], name, NoBackward)}")
+    lines += [f"{y}[i] = {spec_text(e, name, NoBackward)}" for y, e in c.elementwise.items()]
+    return "\n".join(lines)
+
+
+def _spec_text(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], streams) -> str:
+    name = _spelling(c, {s.name for s in c.streams} | {up[o].name for o in up
+                                                      if o in c.elementwise})
+    lines = [f"{g} = {spec_text(e, name, NoBackward)}" for g, e in sw.lines]
+    lines += [f"{g}[i] = {spec_text(e, name, NoBackward)}" for _, g, e in streams]
+    return "\n".join(lines)
+
+
+def _is_zero(e: sp.Expr) -> bool:
+    """e = 0 wherever the derivatives exist: sympy's simplify, then again with
+    sign(u) = u / |u| (true for u != 0; at u = 0 neither |u| nor sqrt(u**2) has one)."""
+    return sp.simplify(e) == 0 or sp.simplify(
+        e.replace(sp.sign, lambda u: u / sp.Abs(u))) == 0
+
+
+def _prove(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], stabilisers: list[str],
+           streams, params: dict[str, str]) -> tuple[tuple[str, bool], ...]:
+    """The gradients against ``sympy.diff`` of the multi-pass loss, unrolled at each of
+    ``PROOF_LENGTHS`` symbolic elements (module docstring)."""
+    proofs = []
+    for n in PROOF_LENGTHS:
+        u = _Unrolled(c, sw, up, n, set(stabilisers))
+        loss = u.loss()
+        for m in stabilisers:
+            proofs.append((f"d loss / d {m} = 0 at N = {n}: {m} only stabilises",
+                           _is_zero(diff(loss, sw.sym[m]))))
+        for s, g, e in streams:
+            ok = all(_is_zero(diff(loss, u.element(s, j)) - u.at(e, j)) for j in range(n))
+            proofs.append((f"{g}[i] = d loss / d {s.name}[i] at N = {n}", ok))
+        for p, g in params.items():
+            ok = _is_zero(diff(loss, sw.sym[p]) - u.value(g))
+            proofs.append((f"{g} = d loss / d {p} at N = {n}", ok))
+    return tuple(proofs)
+
+
+class _Unrolled:
+    """The forward and backward cascades at ``n`` symbolic elements: every per-row value
+    in closed form (a stabiliser stays a symbol: its own proof says nothing depends on
+    it)."""
+
+    def __init__(self, c, sw, up, n, stabilisers):
+        self.c, self.sw, self.up, self.n = c, sw, up, n
+        self.per_element = [*c.streams, *(up[o] for o in up if o in c.elementwise)]
+        self.env = {N: sp.Integer(n)}
+        reductions = {r.name: r for r in c.reductions}
+        for name in _results(c):
+            if name in stabilisers:
+                continue
+            expr = reductions[name].body if name in reductions else c.epilogues[name]
+            self.env[sw.sym[name]] = (self.total(expr) if name in reductions
+                                      else expr.subs(self.env))
+        for g, e in sw.lines:
+            self.env[sp.Symbol(g, real=True)] = self.closed(e)
+
+    def element(self, s: sp.Symbol, j: int) -> sp.Symbol:
+        return sp.Symbol(f"{s.name}_{j}", real=True)
+
+    def at(self, expr: sp.Expr, j: int) -> sp.Expr:
+        """``expr`` at element j, every per-row value in closed form."""
+        here = {s: self.element(s, j) for s in self.per_element} | {POSITION: sp.Integer(j)}
+        return expr.subs(here).subs(self.env)
+
+    def total(self, body: sp.Expr) -> sp.Expr:
+        return sp.Add(*(self.at(body, j) for j in range(self.n)))
+
+    def closed(self, expr: sp.Expr) -> sp.Expr:
+        return expr.replace(lambda e: isinstance(e, _Sum), lambda e: self.total(e.args[0])) \
+            .subs(self.env)
+
+    def value(self, name: str) -> sp.Expr:
+        return self.env[sp.Symbol(name, real=True)]
+
+    def loss(self) -> sp.Expr:
+        """sum over the outputs of upstream * output: its gradient is the backward's."""
+        out = sp.S.Zero
+        for o, d in self.up.items():
+            if o in self.c.elementwise:
+                out += self.total(d * self.c.elementwise[o])
+            else:
+                out += d * self.env[self.sw.sym[o]]
+        return out
