@@ -1,0 +1,168 @@
+"""Training benchmark: forward + backward of redfuser ops against torch (a script, not a test).
+
+``python -m redfuser.tools.train_bench [--scale S] [--repeat R] [--compile]``
+
+For each workload, one training step (forward, then ``backward`` of a random upstream
+gradient into every input that requires grad) with the redfuser op (its derived, proven
+backward: ``algebra.backward``) and with torch eager (``--compile``: also
+``torch.compile``), float32 on the CPU.  Each (workload, implementation) runs in a process
+of its own, so that TVM's thread pool never shares a process with torch's and each peak
+is the process's own: the median step time of ``repeat`` steps after two warm-up steps,
+and the peak memory the steps add to what the inputs hold (Linux's high-water mark of the
+resident set, reset after the warm-up: ``/proc/self/clear_refs``).  Ratios are printed
+from this one run (the machines are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+# workload -> (op, differentiated output, inputs: name -> (kind, shape at scale 1))
+WORKLOADS = {
+    "softmax 4096x4096": ("softmax", "y", {"x": ("normal", (4096, 4096))}),
+    "layernorm 4096x4096": ("layernorm", "y", {"x": ("normal", (4096, 4096)),
+                                               "eps": ("scalar", 1e-5),
+                                               "g": ("weight", (4096,)),
+                                               "b": ("weight", (4096,))}),
+    "rmsnorm 4096x4096": ("rmsnorm", "y", {"x": ("normal", (4096, 4096)),
+                                           "eps": ("scalar", 1e-5), "g": ("weight", (4096,))}),
+    "cross_entropy 4096x32000": ("cross_entropy", "loss", {"x": ("normal", (4096, 32000)),
+                                                           "t": ("onehot", (4096, 32000))}),
+}
+IMPLS = ("redfuser", "torch", "torch.compile")
+
+
+def _inputs(torch, spec: dict, scale: float) -> dict:
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, (kind, shape) in spec.items():
+        if kind == "scalar":
+            out[name] = shape
+            continue
+        shape = tuple(max(1, round(s * math.sqrt(scale))) for s in shape)
+        if kind == "onehot":
+            labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
+            out[name] = torch.nn.functional.one_hot(labels, shape[-1]).float()
+        elif kind == "weight":
+            out[name] = (torch.rand(shape, generator=g) + 0.5).requires_grad_()
+        else:
+            out[name] = torch.randn(shape, generator=g).requires_grad_()
+    return out
+
+
+def _torch_fn(torch, op: str):
+    F = torch.nn.functional
+    return {
+        "softmax": lambda x: torch.softmax(x, -1),
+        "layernorm": lambda x, eps, g, b: F.layer_norm(x, (x.shape[-1],), g, b, eps),
+        "rmsnorm": lambda x, eps, g: F.rms_norm(x, (x.shape[-1],), g, eps),
+        "cross_entropy": lambda x, t: F.cross_entropy(x, t.argmax(-1), reduction="none"),
+    }[op]
+
+
+def _step_fn(torch, impl: str, op: str, out_name: str, inputs: dict):
+    if impl == "redfuser":
+        import redfuser.torch as rt
+
+        cascade = rt.op(op, scalars=tuple(k for k, v in inputs.items()
+                                          if isinstance(v, float)))
+        index = cascade.outputs.index(out_name)
+        args = [inputs[k] for k in cascade.inputs]
+        forward = lambda: cascade(*args)[index]  # noqa: E731
+    else:
+        fn = _torch_fn(torch, op)
+        fn = torch.compile(fn) if impl == "torch.compile" else fn
+        forward = lambda: fn(*inputs.values())  # noqa: E731
+    upstream = torch.randn(forward().shape, generator=torch.Generator().manual_seed(1))
+
+    def step():
+        for v in inputs.values():
+            if isinstance(v, torch.Tensor):
+                v.grad = None
+        forward().backward(upstream)
+    return step
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status memory field, in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(ln for ln in f if ln.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def case(workload: str, impl: str, scale: float, repeat: int) -> dict:
+    """One (workload, implementation) in this process: median step ms and peak extra MB."""
+    import torch
+
+    op, out_name, spec = WORKLOADS[workload]
+    inputs = _inputs(torch, spec, scale)
+    step = _step_fn(torch, impl, op, out_name, inputs)
+    for _ in range(2):
+        step()
+    for v in inputs.values():  # the gradients the warm-up left, as every step leaves them
+        if isinstance(v, torch.Tensor):
+            v.grad = None
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark
+    base = _status("VmRSS")
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    times.sort()
+    return {"ms": times[len(times) // 2], "peak_mb": (_status("VmHWM") - base) / 2**20}
+
+
+def _in_subprocess(workload: str, impl: str, scale: float, repeat: int) -> dict | str:
+    cmd = [sys.executable, "-m", "redfuser.tools.train_bench", "--case", workload, impl,
+           "--scale", str(scale), "--repeat", str(repeat)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or ["failed"])[-1]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run(scale: float, repeat: int, with_compile: bool) -> None:
+    impls = IMPLS if with_compile else IMPLS[:2]
+    print(f"training step (forward + backward), float32, CPU, scale {scale}; median of "
+          f"{repeat}; peak = memory the step adds to its inputs", flush=True)
+    head = "".join(f"{i + ' ms':>16}{i + ' MB':>16}" for i in impls)
+    print(f"{'workload':<26}{head}{'vs torch':>10}{'mem ratio':>11}", flush=True)
+    for workload in WORKLOADS:
+        results = {i: _in_subprocess(workload, i, scale, repeat) for i in impls}
+        cells = "".join(f"{r['ms']:>16.2f}{r['peak_mb']:>16.1f}" if isinstance(r, dict)
+                        else f"{'error':>32}" for r in results.values())
+        ours, theirs = results["redfuser"], results["torch"]
+        ratio = mem = ""
+        if isinstance(ours, dict) and isinstance(theirs, dict):
+            ratio = f"{theirs['ms'] / ours['ms']:.2f}x"
+            mem = f"{ours['peak_mb'] / max(theirs['peak_mb'], 1e-9):.2f}"
+        print(f"{workload:<26}{cells}{ratio:>10}{mem:>11}", flush=True)
+        for i, r in results.items():
+            if not isinstance(r, dict):
+                print(f"  {i}: {r}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", type=float, default=1.0, help="element-count scale (1: full)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="also time torch.compile")
+    p.add_argument("--case", nargs=2, metavar=("WORKLOAD", "IMPL"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.case:
+        print(json.dumps(case(*args.case, args.scale, args.repeat)))
+        return 0
+    run(args.scale, args.repeat, args.compile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
