@@ -134,10 +134,13 @@ def _kept_results(rule: FusionRule, outputs) -> frozenset | None:
     return frozenset(n for n in names if n not in rule.cascade.elementwise)
 
 
-def _check_options(variant, splits, fast_math, threads, tune, plan) -> None:
+def _check_options(backend_, variant, splits, fast_math, threads, tune, plan) -> None:
     """Refuse option values that no plan can honour, naming the option."""
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a redfuser.lowering.Plan, not {type(plan).__name__}")
+    if plan is not None and type(plan) is not backend_.plan_type:
+        raise TypeError(f"plan must be a {backend_.plan_type.__name__} for target "
+                        f"'{backend_.name}', not a {type(plan).__name__}")
     check_variant(variant)
     for name, value in (("splits", splits), ("threads", threads)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -157,7 +160,7 @@ class Kernel:
                  tune: bool | str | None = None, plan: Plan | None = None,
                  dynamic: bool = False, outputs=None):
         self.backend = backend(target)
-        _check_options(variant, splits, fast_math, threads, tune, plan)
+        _check_options(self.backend, variant, splits, fast_math, threads, tune, plan)
         self.keep = _kept_results(rule, outputs)  # None: every output
         if not isinstance(dynamic, bool):
             raise TypeError(f"dynamic must be True or False, not {dynamic!r}")

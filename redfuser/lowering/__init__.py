@@ -1,10 +1,11 @@
 """Lowering: FusionRule + Geometry + Plan -> TIR PrimFunc (no runtime, no tuning).
 
 Read top to bottom: ``geometry`` fixes the shapes of a call; ``choose`` (the target's
-policy, ``backends``) picks a ``Plan``; ``signature`` gives the kernel's arguments;
-``build_primfunc`` emits the target's loop nest of the plan's variant, whose statements
-come from the ``Emitter`` (``emitter``, ``steps``, ``registers``), with sympy
-expressions translated by ``texpr`` and vectorizable math from ``fastmath``.
+policy, ``backends``) picks a ``Plan`` of the target's own type (``CpuPlan``,
+``CudaPlan``); ``signature`` gives the kernel's arguments; ``build_primfunc`` emits the
+target's loop nest of the plan's variant, whose statements come from the ``Emitter``
+(``emitter``, ``steps``, ``registers``), with sympy expressions translated by ``texpr``
+and vectorizable math from ``fastmath``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from algebra.rule import FusionRule
 from algebra.stages import StagedLowering
 
 from .backends import BACKENDS, Backend, backend
+from .cpu.plan import CpuPlan
+from .cuda.plan import CudaPlan
 from .geometry import Geometry, InputGeom, geometry, shape_geometry
 from .plan import VARIANTS, Plan
 from .primfunc import FUNC_NAME, build_primfunc
@@ -20,9 +23,9 @@ from .signature import Arg, Signature, signature
 from .staged import RESIDENT
 from .staged import choose as staged_choose
 
-__all__ = ["BACKENDS", "FUNC_NAME", "VARIANTS", "Arg", "Backend", "Geometry", "InputGeom",
-           "Plan", "Signature", "backend", "build_primfunc", "choose", "geometry",
-           "shape_geometry", "signature"]
+__all__ = ["BACKENDS", "FUNC_NAME", "VARIANTS", "Arg", "Backend", "CpuPlan", "CudaPlan",
+           "Geometry", "InputGeom", "Plan", "Signature", "backend", "build_primfunc", "choose",
+           "geometry", "shape_geometry", "signature"]
 
 
 def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,

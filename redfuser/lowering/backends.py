@@ -1,7 +1,7 @@
 """The targets: one table, each target an object that owns its facts.
 
 A ``Backend`` carries what differs between targets: the TVM target kinds it serves and
-the target it compiles for, the policy that picks a plan (``cpu/plan.py``,
+the target it compiles for, the policy that picks a plan and the plan's type (``cpu/plan.py``,
 ``cuda/plan.py``: lanes and row blocks, or threads per block and SM count) and the one
 for symbolic shapes where it has one, the loop nests of each variant
 (``cpu/variants.py``, ``cuda/variants.py``), whether the kernel writes its outputs in host
@@ -35,6 +35,8 @@ class Backend:
     tvm_kind: str  # the kind of TVM target (``Target.kind.name``) this backend builds for
     tvm_target: Callable[[], dict]
     choose: Callable[..., Plan]
+    # the type ``choose`` returns: its fields are what a tuning record of this target holds
+    plan_type: type[Plan]
     variants: Mapping[str, Callable]
     host_memory: bool  # outputs are written where the caller's arrays live (no copy back)
     resident_fit: Callable[..., str]  # where a staged rule's row stays between its passes
@@ -54,11 +56,12 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "cpu": Backend("cpu", "llvm", cpu_target, cpu_plan.choose, cpu_variants.VARIANTS, True,
-                   cpu_plan.resident_fit, cpu_plan.dynamic_plan, cpu_space.params,
-                   cpu_space.plan_fits, cpu_space.machine_id, also_kinds=("c",)),
+    "cpu": Backend("cpu", "llvm", cpu_target, cpu_plan.choose, cpu_plan.CpuPlan,
+                   cpu_variants.VARIANTS, True, cpu_plan.resident_fit, cpu_plan.dynamic_plan,
+                   cpu_space.params, cpu_space.plan_fits, cpu_space.machine_id,
+                   also_kinds=("c",)),
     "cuda": Backend("cuda", "cuda", partial(cuda_target, cuda_plan.GPU.arch), cuda_plan.choose,
-                    cuda_variants.VARIANTS, False, cuda_plan.resident_fit,
+                    cuda_plan.CudaPlan, cuda_variants.VARIANTS, False, cuda_plan.resident_fit,
                     cuda_plan.dynamic_plan, cuda_space.params, cuda_space.plan_fits,
                     cuda_space.machine_id, cuda_plan.GPU),
 }
@@ -69,8 +72,8 @@ def backend(target: str) -> Backend:
 
     Examples
     --------
-    >>> backend("cuda").host_memory
-    False
+    >>> backend("cuda").host_memory, backend("cuda").plan_type.__name__
+    (False, 'CudaPlan')
     >>> backend("gpu")
     Traceback (most recent call last):
     ...

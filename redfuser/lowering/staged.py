@@ -50,6 +50,6 @@ def choose(rule: StagedLowering, geo: Geometry, variant: str | None = None,
         return target_plan
     why = "requested" if variant else f"{passes} passes over each row in one kernel"
     fit = b.resident_fit(rule, geo, dynamic)
-    return dataclasses.replace(target_plan, variant=RESIDENT, row_block=1,
+    return dataclasses.replace(target_plan.row_by_row(), variant=RESIDENT,
                                reason=f"{why}; {fit}")
 

@@ -25,13 +25,13 @@ os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")  # see bench.py: idle T
 
 import redfuser  # noqa: E402
 
-from ..lowering import Plan  # noqa: E402
+from ..lowering import CpuPlan, Plan  # noqa: E402
 from ..tvm.target import default_threads  # noqa: E402
 from .bench import fma_peak, limits  # noqa: E402
 from .timing import seconds, settle  # noqa: E402
 
-ROW_BLOCK_PLAN = Plan("rolling", 1, tile=32, row_block=8, reason="rows in blocks of 8, tiles "
-                      "of 32 (the product's plan before the GEMM micro-kernel)")
+ROW_BLOCK_PLAN = CpuPlan("rolling", 1, tile=32, row_block=8, reason="rows in blocks of 8, "
+                         "tiles of 32 (the product's plan before the GEMM micro-kernel)")
 FMA = "vfmadd"  # x86 fused multiply-add mnemonics: vfmadd132ps/213ps/231ps
 
 

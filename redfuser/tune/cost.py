@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from algebra.functions import Dot
 
-from ..lowering import Geometry, Plan, backend, signature
+from ..lowering import CpuPlan, CudaPlan, Geometry, Plan, backend, signature
 from ..lowering.cpu.plan import LANES
 from ..lowering.cuda.plan import Gpu
 from ..lowering.staged import RESIDENT
@@ -73,18 +73,19 @@ def predict(rule, geo: Geometry, plan: Plan, machine: Machine, target: str = "cp
     >>> from redfuser.lowering import shape_geometry
     >>> rule = redfuser.derive("softmax")
     >>> geo, m = shape_geometry(rule, {"x": (4096, 4096)}), nominal_cpu()
-    >>> fused = predict(rule, geo, Plan("rolling", 16, tile=8), m)
-    >>> unfused = predict(rule, geo, Plan("unfused", 16, tile=8), m)
+    >>> fused = predict(rule, geo, CpuPlan("rolling", 16, tile=8), m)
+    >>> unfused = predict(rule, geo, CpuPlan("unfused", 16, tile=8), m)
     >>> unfused.seconds > fused.seconds
     True
     """
     gpu, work = backend(target).gpu, rule_work(rule, geo)
-    if gpu is None:  # the host's CPU: rows over its threads in waves
+    if gpu is None:  # the host's CPU (a CpuPlan): rows over its threads in waves
         return _predict_cpu(rule, geo, plan, machine, work)
     return _predict_cuda(rule, geo, plan, machine, work, gpu)
 
 
-def _predict_cpu(rule, geo: Geometry, plan: Plan, machine: Machine, w: RuleWork) -> Estimate:
+def _predict_cpu(rule, geo: Geometry, plan: CpuPlan, machine: Machine,
+                 w: RuleWork) -> Estimate:
     pieces = plan.splits if plan.variant == "split" else 1
     items = geo.r * pieces
     waves, busy = math.ceil(items / machine.threads), min(items, machine.threads)
@@ -110,7 +111,7 @@ def _predict_cpu(rule, geo: Geometry, plan: Plan, machine: Machine, w: RuleWork)
     return Estimate(total + overhead, memory, compute, overhead)
 
 
-def _passes(rule, geo: Geometry, plan: Plan, w: RuleWork):
+def _passes(rule, geo: Geometry, plan: CpuPlan, w: RuleWork):
     """(the fold's counts, lanes, tile, streams read) of each stream pass of the plan; an
     unfused pass reads earlier results as parameters: nothing to re-anchor."""
     streams = _stream_names(rule)
@@ -130,7 +131,7 @@ def _passes(rule, geo: Geometry, plan: Plan, w: RuleWork):
     return out
 
 
-def _element_cost(w: RuleWork, plan: Plan, lanes: int, tile: int, d: int,
+def _element_cost(w: RuleWork, plan: CpuPlan, lanes: int, tile: int, d: int,
                   m: Machine) -> float:
     """Seconds per element and thread of one fold: the larger of its throughput and its
     dependency chain (each lane is one chain; the lanes' chains overlap).  Feature-axis
@@ -181,7 +182,7 @@ def _unique_bytes(geo: Geometry, names) -> float:
                      if k in geo.inputs))
 
 
-def _stream_seconds(geo: Geometry, names, plan: Plan, m: Machine, busy: int) -> float:
+def _stream_seconds(geo: Geometry, names, plan: CpuPlan, m: Machine, busy: int) -> float:
     """Seconds to stream ``names`` once per row: the distinct bytes from where they live,
     rows sharing an input re-read its slice from cache (a row block shares each load)."""
     share = busy / m.threads
@@ -212,7 +213,7 @@ def _elementwise_bytes(rule, geo: Geometry) -> float:
                      for a in signature(rule, geo).elementwise))
 
 
-def _overhead(geo: Geometry, plan: Plan, w: RuleWork, m: Machine) -> float:
+def _overhead(geo: Geometry, plan: CpuPlan, w: RuleWork, m: Machine) -> float:
     """Launch; per item (a row, or a row piece): the lanes merged one after the other; per
     row: the finalize and, split, the pieces merged one after the other."""
     merge = _serial(w.merge, geo.d, m)
@@ -231,7 +232,7 @@ def _serial(work: Work, d: int, m: Machine) -> float:
         max(d, VECTOR)
 
 
-def _predict_cuda(rule, geo: Geometry, plan: Plan, m: Machine, w: RuleWork,
+def _predict_cuda(rule, geo: Geometry, plan: CudaPlan, m: Machine, w: RuleWork,
                   gpu: Gpu) -> Estimate:
     """One block of ``plan.threads`` per row (piece): the GPU is busy in proportion to the
     resident threads; each block ends with log2(threads) barrier-separated merge levels.

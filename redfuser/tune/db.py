@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..lowering import BACKENDS, Plan
 from .space import plan_from_params
 from .store import (
     DatabaseError,
@@ -38,6 +39,7 @@ from .store import (
 FORMAT = "redfuser-tuning"
 VERSION = 1
 FILENAME = "tuning.json"
+KEY_FIELDS = ("spec", "geometry", "dtype", "target", "machine", "fast_math")  # entry_key's
 
 
 def cache_dir() -> Path:
@@ -75,12 +77,13 @@ class MergeSummary:
         return text + (f", {self.skipped} skipped ({self.first_skip})" if self.skipped else "")
 
 
-def record_problem(record: object) -> str | None:
-    """Why ``record`` is not a tuning record (None: it is one): it needs a finite,
-    non-negative ``measured_ms`` and a ``plan`` table that a compile can read
-    (``space.plan_from_params``, the very check a compile makes, so every path that lets
-    a record in (``put``, ``merge``, ``redfuser db import`` and ``merge``) keeps out what
-    a compile would throw away).
+def record_problem(record: object, target: str | None = None) -> str | None:
+    """Why ``record`` is not a tuning record of ``target`` (None: it is one): it needs a
+    finite, non-negative ``measured_ms`` and a ``plan`` table that a compile for that
+    target can read (``space.plan_from_params``, the very check a compile makes, so every
+    path that lets a record in (``put``, ``merge``, ``redfuser db import`` and ``merge``)
+    keeps out what a compile would throw away).  ``target`` None (a key that names none,
+    ``key_target``): a plan of any target.
 
     Examples
     --------
@@ -90,6 +93,10 @@ def record_problem(record: object) -> str | None:
     'measured_ms must be a finite non-negative number, not nan'
     >>> record_problem({"plan": {"variant": "rolling", "lanes": -5}, "measured_ms": 0.5})
     'not a plan: plan parameter lanes must be a positive integer, not -5'
+    >>> print(record_problem({"plan": {"variant": "rolling", "threads": 256},
+    ...                       "measured_ms": 0.5}, "cpu"))  # doctest: +NORMALIZE_WHITESPACE
+    not a plan: plan parameter threads=256: a cpu plan (CpuPlan) has no threads; a record may
+    hold it only as 1
     """
     if not isinstance(record, dict):
         return f"a record must be a JSON object, not {type(record).__name__}"
@@ -99,10 +106,46 @@ def record_problem(record: object) -> str | None:
     if not _is_time(ms):
         return f"measured_ms must be a finite non-negative number, not {ms!r}"
     try:
-        plan_from_params(record["plan"])
+        read_plan(record["plan"], target)
     except ValueError as e:
         return f"not a plan: {e}"
     return None
+
+
+def read_plan(params: dict, target: str | None) -> Plan:
+    """The plan of a record's ``plan`` table for ``target`` (``space.plan_from_params``);
+    None, a key that names no target (``key_target``): of the first target whose plan type
+    reads it.  ``ValueError`` (the named target's reason, or the first one's) otherwise.
+
+    Examples
+    --------
+    >>> type(read_plan({"variant": "rolling", "threads": 64}, None)).__name__
+    'CudaPlan'
+    """
+    problems = []
+    for t in [target] if target is not None else list(BACKENDS):
+        try:
+            return plan_from_params(params, target=t)
+        except ValueError as e:
+            problems.append(e)
+    raise problems[0]
+
+
+def key_target(key: str) -> str | None:
+    """The target an ``entry_key`` names (None: ``key`` is not one).
+
+    Examples
+    --------
+    >>> key_target('["spec", [], "float32", "cuda", "cuda/H100", true]')
+    'cuda'
+    >>> key_target("k") is None
+    True
+    """
+    try:
+        target = dict(zip(KEY_FIELDS, json.loads(key), strict=True))["target"]
+    except (ValueError, TypeError):  # not JSON, or not entry_key's layout
+        return None
+    return target if isinstance(target, str) else None
 
 
 def _is_time(value: object) -> bool:
@@ -170,7 +213,7 @@ def merge_entries(held: dict, incoming: dict) -> tuple[dict, MergeSummary]:
     """
     merged, summary = dict(held), MergeSummary()
     for key, record in incoming.items():
-        problem = record_problem(record)
+        problem = record_problem(record, key_target(key))
         if problem is not None:
             summary.skipped += 1
             summary.first_skip = summary.first_skip or f"{key[:40]}: {problem}"
@@ -221,7 +264,7 @@ class TuningDB:
         record (False: the database already held a newer one).  Raises ``ValueError``
         for a record that is not one (``record_problem``), ``DatabaseError`` when the
         file is unusable or cannot be written."""
-        problem = record_problem(record)
+        problem = record_problem(record, key_target(key))
         if problem is not None:
             raise ValueError(f"not a tuning record: {problem}")
         stamped = {**record, "stored": datetime.now(timezone.utc).isoformat()}

@@ -36,8 +36,8 @@ import numpy as np
 
 from algebra import derive
 
-from ..lowering import Plan, backend, shape_geometry
-from ..lowering.cpu.plan import FOLD_LANES, LANES, TILE_ELEMENTS
+from ..lowering import backend, shape_geometry
+from ..lowering.cpu.plan import FOLD_LANES, LANES, TILE_ELEMENTS, CpuPlan
 from ..runtime import allocate_outputs, build, random_inputs, time_built
 from ..tvm.target import default_threads
 from .db import cache_dir
@@ -223,7 +223,7 @@ def _time(spec: str, shapes: dict, lanes: int) -> float:
     rule = derive(spec)
     geo = shape_geometry(rule, shapes)
     tile = min(TILE_ELEMENTS, geo.n) // lanes if lanes > 1 else 1  # the CPU plan's tiles
-    plan = Plan("rolling", lanes, 1, True, "calibration", tile=tile)
+    plan = CpuPlan("rolling", lanes, 1, True, "calibration", tile=tile)
     built = build(rule, geo, plan)
     args = random_inputs(rule, geo) + list(allocate_outputs(rule, geo).values())
     time_built(built, args, repeat=1)  # warm-up: JIT and page faults

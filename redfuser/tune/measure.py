@@ -52,10 +52,10 @@ def local(rule, target: str = "cpu", measure: Measure | None = None) -> Measurer
     Examples
     --------
     >>> import redfuser
-    >>> from redfuser.lowering import Plan, shape_geometry
+    >>> from redfuser.lowering import CpuPlan, shape_geometry
     >>> rule = redfuser.derive("softmax")
     >>> here = local(rule, measure=lambda geo, plan, repeat: 0.5)
-    >>> here.run(shape_geometry(rule, {"x": (4, 64)}), [Plan("rolling")], 1, lambda: None)
+    >>> here.run(shape_geometry(rule, {"x": (4, 64)}), [CpuPlan("rolling")], 1, lambda: None)
     [Outcome(ms=0.5, error='', device='')]
     """
     measure = measure or (lambda g, plan, rep: time_plan(rule, g, plan, target, rep))

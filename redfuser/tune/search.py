@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from tqdm.auto import tqdm
 
 from ..lowering import Geometry, Plan, choose
-from ..lowering.plan import GEMM_FIELDS
 from .cost import predict
 from .db import TuningDB, entry_key, record_problem
 from .machine import Machine, machine, machine_id
@@ -96,14 +95,18 @@ def describe(plan: Plan) -> str:
 
     Examples
     --------
-    >>> describe(Plan("split", 16, 4, tile=8))
-    'split lanes=16 tile=8 splits=4'
+    >>> from redfuser.lowering import CpuPlan, CudaPlan
+    >>> describe(CpuPlan("split", 16, 4, tile=8))
+    'split lanes=16 splits=4 tile=8'
+    >>> describe(CudaPlan("rolling", threads=256))
+    'rolling threads=256'
     """
-    params = plan_params(plan)
-    hidden = {"variant"} | ({"lanes", "tile"} if plan.threads > 1 else {"threads"})
-    shown = [f"{k}={v}" for k, v in params.items() if k not in hidden and not (
-        (k == "splits" and plan.variant != "split") or (k == "row_block" and v == 1) or
-        (k in GEMM_FIELDS and not plan.mr))]
+    kind = type(plan)  # what it hides (``Plan.hidden``, ``Plan.terse``) is its type's
+    defaults = {f.name: f.default for f in fields(kind)}
+    shown = [f"{k}={v}" for k, v in plan_params(plan).items()
+             if k != "variant" and k not in kind.hidden and not (
+                 (k == "splits" and plan.variant != "split") or
+                 (k in kind.terse and v == defaults[k]))]
     return " ".join([plan.variant, *shown])
 
 
@@ -376,11 +379,11 @@ def record_plan(record: dict, rule, geo: Geometry, target: str = "cpu",
     ...     print(e)
     row_block=1000 is not in the space of rolling here (1)
     """
-    problem = record_problem(record)
+    problem = record_problem(record, target)
     if problem is not None:
         raise ValueError(problem)
     plan = plan_from_params(record["plan"], fast_math,
-                            f"tuned: {float(record['measured_ms']):.3f} ms measured")
+                            f"tuned: {float(record['measured_ms']):.3f} ms measured", target)
     why = space(rule, geo, target, fast_math).why_not(plan)
     if why is not None:
         raise ValueError(why)

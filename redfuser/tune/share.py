@@ -12,12 +12,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .db import FORMAT, VERSION, MergeSummary, TuningDB, read_database
+from .db import (
+    FORMAT,
+    KEY_FIELDS,
+    VERSION,
+    MergeSummary,
+    TuningDB,
+    key_target,
+    read_database,
+    read_plan,
+)
 from .search import describe
-from .space import plan_from_params
 from .store import DatabaseError, load
-
-KEY_FIELDS = ("spec", "geometry", "dtype", "target", "machine", "fast_math")  # entry_key's
 
 
 def show(db: TuningDB) -> str:
@@ -43,7 +49,7 @@ def show(db: TuningDB) -> str:
     lines = [f"{db.path}: {count} {'entry' if count == 1 else 'entries'}"]
     for i, (key, record) in enumerate(sorted(found.entries.items()), 1):
         lines += [f"{i}."] + [f"  {name:<8} {text}" for name, text in
-                              _key_lines(key) + _record_lines(record)]
+                              _key_lines(key) + _record_lines(record, key_target(key))]
     return "\n".join(lines)
 
 
@@ -62,11 +68,11 @@ def _key_lines(key: str) -> list[tuple[str, str]]:
         return [("key", f"{key[:200]} (not a redfuser entry key)")]
 
 
-def _record_lines(record: object) -> list[tuple[str, str]]:
+def _record_lines(record: object, target: str | None) -> list[tuple[str, str]]:
     if not isinstance(record, dict):
         return [("record", f"{json.dumps(record)[:200]} (not a tuning record)")]
     try:
-        plan = describe(plan_from_params(record["plan"]))
+        plan = describe(read_plan(record["plan"], target))
     except (KeyError, TypeError, ValueError) as e:
         plan = f"{json.dumps(record.get('plan'))[:200]} (not a plan: {e})"
     ms, model = record.get("measured_ms"), record.get("predicted_ms")

@@ -1,7 +1,8 @@
 """The schedule space: which plan parameters apply to a rule at a geometry, and their values.
 
-Every candidate is a ``Plan``; the space is derived from the rule and the shapes, never
-listed per workload.  CPU (``llvm``):
+Every candidate is a plan of the target's type (``Backend.plan_type``), whose fields but
+``fast_math``, ``reason`` and ``dynamic`` are what a tuning record holds; the space is
+derived from the rule and the shapes, never listed per workload.  CPU (``llvm``):
 
 ==========  ===================  =====================================================
 parameter   variants             applies when / values
@@ -20,7 +21,7 @@ splits      split                2, 4, ... 64 and the hand-written choice, each 
                                  of 32 elements or more (and two tiles)
 row_block   rolling, unfused     rows folded together sharing each load: one lane, a
                                  stream broadcast across rows with a feature axis that
-                                 fills whole vectors (``Plan.row_block``, when the
+                                 fills whole vectors (``CpuPlan.row_block``, when the
                                  lowering has it): 1, 2, 4, 8 with every thread a block
 mr, nr, kc  rolling, unfused     the rule holds matrix products (``lowering.products``)
                                  worth a GEMM (``cpu.plan.gemm_blocks``): micro-kernel
@@ -44,10 +45,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..lowering import VARIANTS, Geometry, Plan, backend, choose
-from ..lowering.plan import GEMM_FIELDS, Param
+from ..lowering.plan import Param
 from ..tvm.target import default_threads
 
-TUNED = ("variant", "lanes", "tile", "splits", "threads", "row_block", *GEMM_FIELDS)  # searched
+UNSEARCHED = ("fast_math", "reason", "dynamic")  # a plan's fields no tuning record holds
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Space:
             for values in itertools.product(*(p.values for p in params)):
                 plan = plan_from_params({"variant": variant, **dict(zip(names, values,
                                                                         strict=True))},
-                                        self.fast_math, "candidate")
+                                        self.fast_math, "candidate", self.target)
                 if _valid(plan, self.geo, self.target) and not any(same_plan(plan, o) for o in out):
                     out.append(plan)
         return out
@@ -83,12 +84,19 @@ class Space:
         >>> from redfuser.lowering import shape_geometry
         >>> rule = redfuser.derive("softmax")
         >>> s = space(rule, shape_geometry(rule, {"x": (32, 256)}))
-        >>> s.why_not(Plan("rolling", 1, row_block=1000))
+        >>> from redfuser.lowering import CpuPlan, CudaPlan
+        >>> s.why_not(CpuPlan("rolling", 1, row_block=1000))
         'row_block=1000 is not in the space of rolling here (1)'
+        >>> s.why_not(CudaPlan("rolling", threads=256))
+        'a CudaPlan is not a plan of target cpu (its plans are CpuPlan)'
         >>> s.why_not(s.candidates()[-1]) is None
         True
         """
         # what ``candidates`` enumerates, decided without enumerating (which takes 0.1 s)
+        kind = backend(self.target).plan_type
+        if type(plan) is not kind:
+            return (f"a {type(plan).__name__} is not a plan of target {self.target} (its "
+                    f"plans are {kind.__name__})")
         if self.default is not None and same_plan(plan, self.default):
             return None
         params = self.variants.get(plan.variant)
@@ -96,8 +104,8 @@ class Space:
             return (f"variant {plan.variant} is not in the space here (only "
                     f"{', '.join(self.variants)})")
         values = {p.name: p.values for p in params}
-        defaults = {f.name: f.default for f in fields(Plan)}
-        for name in (n for n in TUNED if n != "variant"):
+        defaults = {f.name: f.default for f in fields(kind)}
+        for name in searched(kind)[1:]:  # [0]: the variant
             allowed = values.get(name, (defaults[name],))
             if getattr(plan, name) not in allowed:
                 return (f"{name}={getattr(plan, name)} is not in the space of {plan.variant} "
@@ -148,21 +156,30 @@ def space(rule, geo: Geometry, target: str = "cpu", fast_math: bool = True,
 
 def _valid(plan: Plan, geo: Geometry, target: str = "cpu") -> bool:
     """Constraints between parameters: the target's own (``Backend.plan_fits``: a tile
-    fits the caches, a GEMM micro-kernel the registers), a tile fits the stream, a split
-    piece holds two tiles."""
+    fits the caches, a GEMM micro-kernel the registers), a step of the fold
+    (``Plan.span``: a CPU tile) fits the stream, a split piece holds two."""
     if not backend(target).plan_fits(plan):
         return False
-    step = plan.lanes * plan.tile
-    if step > geo.n:
-        return step == 1
-    if plan.variant == "split" and geo.n // plan.splits < 2 * step:
-        return False
-    return plan.row_block == 1 or plan.tile > 1 or plan.mr > 0
+    if plan.span > geo.n:
+        return plan.span == 1
+    return plan.variant != "split" or geo.n // plan.splits >= 2 * plan.span
 
 
 def same_plan(a: Plan, b: Plan) -> bool:
     """Do two plans build the same kernel (the ``reason`` aside)?"""
-    return plan_params(a) == plan_params(b) and a.fast_math == b.fast_math
+    return type(a) is type(b) and plan_params(a) == plan_params(b) and a.fast_math == b.fast_math
+
+
+def searched(kind: type[Plan]) -> tuple[str, ...]:
+    """The fields of plan type ``kind`` a tuning record holds, the variant first.
+
+    Examples
+    --------
+    >>> from redfuser.lowering import backend
+    >>> searched(backend("cuda").plan_type)
+    ('variant', 'lanes', 'splits', 'threads', 'mc', 'nc', 'kc', 'mr', 'nr')
+    """
+    return tuple(f.name for f in fields(kind) if f.name not in UNSEARCHED)
 
 
 def plan_params(plan: Plan) -> dict[str, object]:
@@ -170,36 +187,57 @@ def plan_params(plan: Plan) -> dict[str, object]:
 
     Examples
     --------
-    >>> plan_params(Plan("rolling", 16, tile=8))["tile"]
+    >>> from redfuser.lowering import CpuPlan
+    >>> plan_params(CpuPlan("rolling", 16, tile=8))["tile"]
     8
     """
-    have = {f.name for f in fields(Plan)}
-    return {k: getattr(plan, k) for k in TUNED if k in have}
+    return {k: getattr(plan, k) for k in searched(type(plan))}
 
 
-def plan_from_params(params: dict, fast_math: bool = True, reason: str = "") -> Plan:
-    """A ``Plan`` from explicit parameters (a database record, a CLI request).
+def plan_from_params(params: dict, fast_math: bool = True, reason: str = "",
+                     target: str = "cpu") -> Plan:
+    """A plan of ``target``'s type (``Backend.plan_type``) from explicit parameters (a
+    database record, a CLI request).  A field of the flat plan older redfusers stored in
+    every record that this type lacks (``Plan.retired``: ``threads`` in a CPU record) is
+    read and dropped while it holds the value it held for this target, and refused,
+    named, otherwise.
 
     Examples
     --------
     >>> plan_from_params({"variant": "split", "lanes": 16, "splits": 4}).splits
     4
+    >>> plan_from_params({"variant": "rolling", "tile": 1, "threads": 128}, target="cuda")
+    CudaPlan(variant='rolling', lanes=1, splits=1, fast_math=True, reason='', dynamic=False, \
+threads=128, mc=0, nc=0, kc=0, mr=0, nr=0)
     >>> try:
     ...     plan_from_params({"variant": "rolling", "tiles": 8})
     ... except ValueError as e:
     ...     print(str(e)[:42])
     unknown plan parameter(s) ['tiles']; known
+    >>> try:
+    ...     plan_from_params({"variant": "rolling", "tile": 8}, target="cuda")
+    ... except ValueError as e:
+    ...     print(e)
+    plan parameter tile=8: a cuda plan (CudaPlan) has no tile; a record may hold it only as 1
     """
-    have = [k for k in TUNED if k in {f.name for f in fields(Plan)}]
-    unknown = sorted(set(params) - set(have))
+    kind = backend(target).plan_type
+    have = searched(kind)
+    unknown = sorted(set(params) - set(have) - set(kind.retired))
     if unknown:
         raise ValueError(f"unknown plan parameter(s) {unknown}; known: {', '.join(have)}")
     if params.get("variant") not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, not {params.get('variant')!r}")
+    defaults = {f.name: f.default for f in fields(kind)}
     for k, v in params.items():
-        least = 0 if k in GEMM_FIELDS else 1  # 0: no GEMM micro-kernel
-        if k != "variant" and (not isinstance(v, int | np.integer) or isinstance(v, bool)
-                               or v < least):
+        if k == "variant":
+            continue
+        if not isinstance(v, int | np.integer) or isinstance(v, bool):
             raise ValueError(f"plan parameter {k} must be a positive integer, not {v!r}")
-    return Plan(**{k: (v if k == "variant" else int(v)) for k, v in params.items()},
+        if k in kind.retired and v not in kind.retired[k]:
+            raise ValueError(f"plan parameter {k}={v}: a {target} plan ({kind.__name__}) has "
+                             f"no {k}; a record may hold it only as "
+                             f"{' or '.join(map(str, kind.retired[k]))}")
+        if k in defaults and v < min(defaults[k], 1):  # a default of 0: none (no GEMM)
+            raise ValueError(f"plan parameter {k} must be a positive integer, not {v!r}")
+    return kind(**{k: (v if k == "variant" else int(v)) for k, v in params.items() if k in have},
                 fast_math=fast_math, reason=reason)

@@ -16,7 +16,7 @@ import redfuser
 from algebra.library import example_inputs
 from redfuser import runtime
 from redfuser.kernel import Kernel
-from redfuser.lowering import Plan, choose, geometry
+from redfuser.lowering import CpuPlan, choose, geometry
 from redfuser.tune import (
     Machine,
     TuningDB,
@@ -105,7 +105,7 @@ def test_cuda_space_searches_threads_and_splits():
     assert all(p.lanes == 1 for p in s.candidates())
 
 
-def _covering(plans: list[Plan]) -> list[Plan]:
+def _covering(plans: list[CpuPlan]) -> list[CpuPlan]:
     """A few plans that between them use every value of every parameter of ``plans``
     (greedy: each next plan brings the most values not used yet)."""
     keys = [set(plan_params(p).items()) for p in plans]
@@ -141,7 +141,7 @@ def test_every_parameter_value_builds_and_matches_the_oracle(name, shapes):
 
 def test_plans_from_parameters_check_their_input():
     p = plan_from_params({"variant": "split", "lanes": 16, "splits": 4, "tile": 8})
-    assert plan_from_params(plan_params(p)) == Plan("split", 16, 4, tile=8)
+    assert plan_from_params(plan_params(p)) == CpuPlan("split", 16, 4, tile=8)
     for bad, msg in [({"variant": "rolling", "tiles": 8}, "unknown plan parameter"),
                      ({"variant": "fast"}, "variant must be"),
                      ({"variant": "rolling", "lanes": 0}, "positive integer"),
@@ -177,7 +177,7 @@ def _machine(bandwidth: float = 2e10) -> Machine:
 
 def test_more_bytes_take_longer():
     rule, m = rule_for("softmax"), _machine()
-    plan = Plan("rolling", 16, tile=8)
+    plan = CpuPlan("rolling", 16, tile=8)
     times = [predict(rule, geo_of("softmax", {"x": (r, 4096)}), plan, m).seconds
              for r in (256, 1024, 4096)]
     assert times[0] < times[1] < times[2]
@@ -196,14 +196,15 @@ def test_unfused_is_predicted_slower_when_memory_bound(name):
 
 
 def test_exp_heavy_rules_are_predicted_costlier():
-    m, plan = _machine(bandwidth=1e12), Plan("rolling", 16, tile=8)
+    m, plan = _machine(bandwidth=1e12), CpuPlan("rolling", 16, tile=8)
     shapes = {"x": (1024, 4096)}
     cheap = predict(rule_for("s = sum(x[i])"), geo_of("s = sum(x[i])", shapes), plan, m)
     exps = predict(rule_for("s = sum(exp(x[i]))"), geo_of("s = sum(exp(x[i]))", shapes),
                    plan, m)
     lse = predict(rule_for("logsumexp"), geo_of("logsumexp", shapes), plan, m)
     assert cheap.seconds < exps.seconds < lse.seconds
-    one_lane = predict(rule_for("logsumexp"), geo_of("logsumexp", shapes), Plan("rolling"), m)
+    one_lane = predict(rule_for("logsumexp"), geo_of("logsumexp", shapes), CpuPlan("rolling"),
+                       m)
     assert one_lane.seconds > 4 * lse.seconds  # scalar exps on a dependent chain
 
 
@@ -365,9 +366,9 @@ def test_search_keeps_the_fastest_measured_and_stores_it(figures, cache):
 def test_the_hand_written_plan_stays_unless_beaten_by_the_margin():
     from redfuser.tune.search import Trial, _winner
 
-    hand = Trial(Plan("rolling", 16, tile=8), 1.0, measured_ms=1.00)
-    close = Trial(Plan("rolling", 16, tile=16), 0.9, measured_ms=1.00 / (1 + MARGIN / 2))
-    clear = Trial(Plan("unfused", 16), 1.1, measured_ms=1.00 / (1 + 2 * MARGIN))
+    hand = Trial(CpuPlan("rolling", 16, tile=8), 1.0, measured_ms=1.00)
+    close = Trial(CpuPlan("rolling", 16, tile=16), 0.9, measured_ms=1.00 / (1 + MARGIN / 2))
+    clear = Trial(CpuPlan("unfused", 16), 1.1, measured_ms=1.00 / (1 + 2 * MARGIN))
     assert _winner([close, hand], hand) is hand
     assert _winner([close, clear, hand], hand) is clear
     assert _winner([close, clear], None) is clear

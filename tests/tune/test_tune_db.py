@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import redfuser
 from redfuser.cli import main
-from redfuser.lowering import VARIANTS, Plan, choose, shape_geometry
+from redfuser.lowering import VARIANTS, CpuPlan, choose, shape_geometry
 from redfuser.tune import TuningDB, entry_key, machine, machine_id, space
 from redfuser.tune.db import FORMAT, VERSION, merge_entries
 from redfuser.tune.machine import nominal_cpu
@@ -488,6 +488,6 @@ def test_the_space_check_agrees_with_the_candidates(name, shapes):
     values = {"variant": VARIANTS, "lanes": (1, 16, 64), "tile": (1, 3, 8), "splits": (1, 4, 64),
               "row_block": (1, 2, 1000)}
     for combo in itertools.product(*values.values()):
-        plan = Plan(**dict(zip(values, combo, strict=True)))
+        plan = CpuPlan(**dict(zip(values, combo, strict=True)))
         inside = any(same_plan(plan, c) for c in candidates)
         assert (s.why_not(plan) is None) == inside, plan

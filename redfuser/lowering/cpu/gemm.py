@@ -38,26 +38,25 @@ from ..emitter import Emitter
 from ..geometry import Geometry
 from ..invariants import rule_scores, split_invariant
 from ..nests import copy_state, workspace
-from ..plan import Plan
 from ..products import Product, products, without
 from ..signature import F32, I64
 from ..texpr import const
-from .plan import LANES, REGISTER_SCOPE, rows_loop
+from .plan import LANES, REGISTER_SCOPE, CpuPlan, rows_loop
 
 
 def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
-def check_blocks(plan: Plan) -> None:
+def check_blocks(plan: CpuPlan) -> None:
     """Refuse a blocking the micro-kernel cannot run: a panel is whole vectors of the host's
     LANES and a packed block whole panels (else columns would be skipped or overlap).
 
     Examples
     --------
-    >>> from redfuser.lowering import Plan
+    >>> from redfuser.lowering import CpuPlan
     >>> try:
-    ...     check_blocks(Plan("rolling", 1, 1, True, "", mr=4, nr=LANES + 1, kc=8, nc=LANES + 1))
+    ...     check_blocks(CpuPlan("rolling", 1, 1, True, "", mr=4, nr=LANES + 1, kc=8, nc=LANES + 1))
     ... except ValueError as e:
     ...     print(str(e).split(":")[0])
     GEMM blocking
@@ -67,7 +66,7 @@ def check_blocks(plan: Plan) -> None:
                          f"vector lanes and nc = {plan.nc} a multiple of nr")
 
 
-def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: dict,
+def rolling(rule: FusionRule, geo: Geometry, plan: CpuPlan, bufs: dict, results: dict,
             elementwise: dict, rowvals: dict, fold: Callable) -> None:
     """The blocked nest of ``rule`` (which has matrix products at ``geo``) into the active
     IRBuilder frame; ``fold`` folds a piece of a row into lanes and merges them
@@ -124,7 +123,7 @@ def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: di
         em.elementwise(r, elementwise)
 
 
-def _statistics(em: Emitter, plan: Plan, fold: Callable, work: dict, r, k0, length, slot):
+def _statistics(em: Emitter, plan: CpuPlan, fold: Callable, work: dict, r, k0, length, slot):
     """Fold elements [k0, k0 + length) of row r into the rest of the cascade's state (its
     own lanes and tiles), stored in row ``slot`` of the workspace."""
     st = em.states(2 * plan.lanes)
@@ -155,7 +154,7 @@ def _pack_a(em: Emitter, p: Product, a, j, r, k0, length):
 class _Blocks:
     """The column blocks, panels and micro-kernels of one row block and one K piece."""
 
-    def __init__(self, plan: Plan, geo: Geometry, row0, rows, k0, length, first):
+    def __init__(self, plan: CpuPlan, geo: Geometry, row0, rows, k0, length, first):
         self.plan, self.geo = plan, geo
         self.row0, self.rows, self.k0, self.length, self.first = row0, rows, k0, length, first
 

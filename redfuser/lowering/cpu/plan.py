@@ -1,4 +1,5 @@
-"""CPU plans: the one place for lanes, tiles and row blocks, and the policy that picks them.
+"""CPU plans: the one place for lanes, tiles and row blocks (``CpuPlan``), and the policy
+that picks them.
 
 A small analytic model, stated so it can be checked: a fused rule reads the stream
 once (the unfused baseline reads it once per reduction); rows are spread over the
@@ -13,6 +14,9 @@ the blocking of ``GEMM`` (``gemm.py``), the rest of the cascade in lanes beside 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
 
 from algebra.families import Family, element_exprs
 from algebra.functions import Dot
@@ -81,6 +85,48 @@ GEMM: dict[str, tuple[int, str]] = {
                 "the threads split the columns (Zen 3, 256 x 4096 -> 4096 on 2 threads: "
                 "columns split 65 ms, two row blocks of 128 90 ms)"),
 }
+GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc", "nt")  # a CpuPlan's blocking; 0: no micro-kernel
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpuPlan(Plan):
+    """A CPU plan: the shared fields (``lanes``: float32 vector lanes folding a row side by
+    side), tiles and row blocks, and the blocking of a GEMM micro-kernel (``gemm.py``).
+
+    Examples
+    --------
+    >>> print(CpuPlan("rolling", 16, mr=6, nr=64, kc=256, nc=512, mc=126, nt=1, reason="why"))
+    rolling (16 lanes, GEMM micro-kernel 6 x 64, KC 256, NC 512, MC 126, NT 1): why
+    >>> print(CpuPlan("rolling", 1, tile=32, row_block=8, reason="shared keys"))
+    rolling (1 lanes, blocks of 8 rows): shared keys
+    """
+
+    tile: int = 1  # elements per lane folded at fixed anchors before a merge
+    row_block: int = 1  # one lane: rows folded together, sharing each streamed load
+    # matrix products (0: none): a micro-kernel of mr rows x nr columns, K in blocks of kc,
+    # W's columns packed in blocks of nc; a parallel task per block of mc rows and range of
+    # 1/nt of the columns
+    mr: int = 0
+    nr: int = 0
+    kc: int = 0
+    nc: int = 0
+    mc: int = 0
+    nt: int = 0
+
+    terse: ClassVar[frozenset[str]] = frozenset({"row_block", *GEMM_FIELDS})
+    retired: ClassVar[Mapping[str, tuple[int, ...]]] = {"threads": (1,)}  # CUDA's, unset
+
+    @property
+    def span(self) -> int:
+        return self.lanes * self.tile  # a tile of every lane
+
+    def row_by_row(self) -> CpuPlan:
+        return dataclasses.replace(self, row_block=1)
+
+    def details(self) -> str:
+        extra = f", blocks of {self.row_block} rows" if self.row_block > 1 else ""
+        return extra + (f", GEMM micro-kernel {self.mr} x {self.nr}, KC {self.kc}, NC "
+                        f"{self.nc}, MC {self.mc}, NT {self.nt}" if self.mr else "")
 
 
 def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
@@ -121,7 +167,7 @@ def lane_aligned(rule: FusionRule) -> bool:
     return bool(read & states) and read & states <= single
 
 
-def stash_applies(rule: FusionRule, geo: Geometry, plan: Plan) -> bool:
+def stash_applies(rule: FusionRule, geo: Geometry, plan: CpuPlan) -> bool:
     """Per-element outputs are stashed (``algebra.stash``: written by the statistics pass,
     finished with one multiply) when the row is a single tile of aligned lanes: every
     stashed value was then computed at the same anchors, held in lane 0 afterwards."""
@@ -136,7 +182,7 @@ def single_tile(rule: FusionRule, geo: Geometry, lanes: int, tile: int) -> bool:
             lane_aligned(rule))
 
 
-def stage_plan(stage: FusionRule, geo: Geometry, plan: Plan) -> Plan:
+def stage_plan(stage: FusionRule, geo: Geometry, plan: CpuPlan) -> CpuPlan:
     """``plan`` for one stage of a row-resident kernel: the stage's own lanes and tiles (a
     dynamic plan's for a symbolic N)."""
     if plan.dynamic:
@@ -203,7 +249,7 @@ def rows_loop(geo: Geometry):
 
 def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
            splits: int | None = None, threads: int | None = None,
-           fast_math: bool = True) -> Plan:
+           fast_math: bool = True) -> CpuPlan:
     """Pick rolling or split (or honour ``variant``) with a row/thread/length model."""
     check_variant(variant)
     threads = threads or default_threads()
@@ -215,7 +261,7 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     if variant == "unfused":
         block = row_block_for(geo, lanes, threads)  # the same scheduling quality per pass
         tile = BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n) if lanes > 1 else 1
-        return Plan("unfused", lanes, 1, fast_math, "requested: one pass per reduction",
+        return CpuPlan("unfused", lanes, 1, fast_math, "requested: one pass per reduction",
                     tile=tile, row_block=block)
     idle = geo.r < threads
     long = geo.n >= 2 * MIN_SPLIT_ELEMENTS and not one_thread(geo)
@@ -224,13 +270,14 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
         s = max(1, min(s, geo.n))
         why = "requested" if variant else (f"{geo.r} row(s) < {threads} threads and N = "
                                            f"{geo.n}: split each row, combine with the merge")
-        return Plan("split", lanes, s, fast_math, why, tile=tile_for(rule, lanes, -(-geo.n // s)))
+        return CpuPlan("split", lanes, s, fast_math, why,
+                       tile=tile_for(rule, lanes, -(-geo.n // s)))
     why = "requested" if variant else (f"{geo.r} rows >= {threads} threads" if not idle else
                                        f"N = {geo.n} too short to split")
     rows = ("one thread (less work than PARALLEL_MIN_WORK)" if one_thread(geo) else
             "rows in parallel")
     block = row_block_for(geo, lanes, threads)
-    plan = Plan("rolling", lanes, 1, fast_math, f"{why}; {rows}, one pass each",
+    plan = CpuPlan("rolling", lanes, 1, fast_math, f"{why}; {rows}, one pass each",
                 tile=BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n), row_block=block)
     if stash_applies(rule, geo, plan):
         plan = dataclasses.replace(plan, reason=plan.reason + "; per-element outputs stashed "
@@ -239,7 +286,7 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
 
 
 def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
-                 fast_math: bool = True) -> Plan:
+                 fast_math: bool = True) -> CpuPlan:
     """The plan of a kernel for every row count and N (``Plan.dynamic``): rows in parallel,
     one pass each (rolling) or the unfused baseline; lanes as for a long row, tiles of
     DYNAMIC_TILE_ELEMENTS (KEY_TILE in one lane), tails folded element by element.  No
@@ -257,7 +304,7 @@ def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
     lanes = vector_lanes(rule, dataclasses.replace(geo, n=2 * DYNAMIC_TILE_ELEMENTS))
     tile = max(1, DYNAMIC_TILE_ELEMENTS // lanes) if lanes > 1 else tile_for(rule, 1, 0)
     why = ("requested: one pass per reduction" if variant == "unfused" else "any rows and N")
-    return Plan(variant or "rolling", lanes, 1, fast_math, f"{why}; rows in parallel, one "
+    return CpuPlan(variant or "rolling", lanes, 1, fast_math, f"{why}; rows in parallel, one "
                 f"pass each, tiles of {tile} per lane, tails one by one", tile=tile,
                 dynamic=True)
 
@@ -322,7 +369,7 @@ def _tasks(geo: Geometry, threads: int, mr: int, panels: int) -> tuple[int, int]
 
 
 def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: bool,
-               blocks: dict[str, int]) -> Plan:
+               blocks: dict[str, int]) -> CpuPlan:
     """Rolling or unfused (``variant``; None: rolling) with the matrix products as a blocked
     GEMM of ``blocks`` (mr, nr, kc, nc, mc); the rest of the cascade (RMSNorm's sum(x**2))
     folds in its own lanes.
@@ -346,5 +393,5 @@ def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: b
     why += f"; rows in blocks of {blocks['mc']}{ranges} in parallel, a blocked GEMM " + \
         ("per product pass" if variant == "unfused" else "with the other reductions folded "
          "in the same pass over each row")
-    return Plan(variant or "rolling", lanes, 1, fast_math, why,
+    return CpuPlan(variant or "rolling", lanes, 1, fast_math, why,
                 tile=tile_for(rest, lanes, blocks["kc"]), **blocks)

@@ -12,8 +12,17 @@ from algebra.rule import FusionRule
 
 from ...tvm.target import cpu_target, default_threads
 from ..geometry import Geometry
-from ..plan import MIN_PIECE, SPLIT_VALUES, Param, Plan
-from .plan import ISA, LANES, TILE_ELEMENTS, choose, gemm_blocks, gemm_plan, vector_lanes
+from ..plan import MIN_PIECE, SPLIT_VALUES, Param
+from .plan import (
+    ISA,
+    LANES,
+    TILE_ELEMENTS,
+    CpuPlan,
+    choose,
+    gemm_blocks,
+    gemm_plan,
+    vector_lanes,
+)
 
 LANE_VALUES = (1, LANES, 2 * LANES, 4 * LANES)  # one to four vector registers
 TILES_LANES = (8, 32, 128)  # lanes > 1: elements per lane per tile
@@ -50,12 +59,14 @@ def params(rule: FusionRule, geo: Geometry, variant: str,
     return tuple(p for p in found if p is not None)
 
 
-def plan_fits(plan: Plan) -> bool:
+def plan_fits(plan: CpuPlan) -> bool:
     """Does a tile's passes stay in L1 (``MAX_TILE_ELEMENTS``), and a GEMM micro-kernel's
     sums, panel vectors and broadcast fit the vector registers, and a packed block hold
-    whole panels (where there is a micro-kernel)?"""
+    whole panels (where there is a micro-kernel), and blocked rows fold tiles (a row block
+    of one-element tiles shares nothing: rows are blocked with tile > 1 or a GEMM)?"""
     gemm = not plan.mr or (not plan.nc % plan.nr and ISA.fits(plan.mr, plan.nr))
-    return gemm and plan.lanes * plan.tile <= MAX_TILE_ELEMENTS
+    blocks = plan.row_block == 1 or plan.tile > 1 or plan.mr > 0
+    return gemm and blocks and plan.lanes * plan.tile <= MAX_TILE_ELEMENTS
 
 
 def machine_id() -> str:

@@ -26,7 +26,6 @@ from ..emitter import Emitter
 from ..geometry import Geometry, InputGeom
 from ..invariants import rule_scores
 from ..nests import copy_state, epilogue_values, store_results, unfused_passes, workspace
-from ..plan import Plan
 from ..products import products
 from ..registers import Const0, States
 from ..signature import F32, I64, result_dtype, result_width
@@ -35,6 +34,7 @@ from . import gemm, tiles
 from .plan import (
     LANES,
     REGISTER_SCOPE,
+    CpuPlan,
     lane_aligned,
     one_thread,
     row_stashes,
@@ -129,7 +129,7 @@ def _extent(n):
     return tirx.const(n, I64) if isinstance(n, int) else n
 
 
-def _rolling_blocks(em: Emitter, geo: Geometry, plan: Plan, results, elementwise):
+def _rolling_blocks(em: Emitter, geo: Geometry, plan: CpuPlan, results, elementwise):
     """Blocks of ``plan.row_block`` rows in parallel; each tile is folded for every row of
     the block at once (``tiles.tile_rows``).  The last block repeats the last row where the
     rows do not divide evenly (same values written twice by one thread)."""

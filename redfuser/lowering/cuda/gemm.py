@@ -31,14 +31,13 @@ from ...tvm.ir import T, block_sync, cuda_rounded, tirx
 from ..emitter import Emitter
 from ..geometry import Geometry
 from ..nests import copy_state, workspace
-from ..plan import Plan
 from ..products import Product, products, without
 from ..signature import F32
 from ..texpr import const
-from .plan import threads_for
+from .plan import CudaPlan, threads_for
 
 
-def rolling(rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, results: dict,
+def rolling(rule: FusionRule, geo: Geometry, plan: CudaPlan, bufs: dict, results: dict,
             elementwise: dict, rowvals: dict, scores: dict, row_state: Callable) -> None:
     """The launches of ``rule`` (which has matrix products at ``geo``) into the active
     IRBuilder frame; ``row_state(em, t, r, threads)`` folds row r by ``threads`` threads
@@ -85,7 +84,7 @@ def _statistics(em: Emitter, geo: Geometry, work: dict, row_state: Callable):
                     copy_state(st, work, 0, r, to_work=True)
 
 
-def _product(em: Emitter, p: Product, geo: Geometry, plan: Plan, w, sums):
+def _product(em: Emitter, p: Product, geo: Geometry, plan: CudaPlan, w, sums):
     """Launch 2: sums = a @ W, one ``mc x nc`` tile a block (module docstring)."""
     mc, nc, kc, mr, nr = plan.mc, plan.nc, plan.kc, plan.mr, plan.nr
     across, threads = nc // nr, plan.threads

@@ -1,9 +1,12 @@
-"""CUDA plans: the one place for the GPU's facts (``GPU``: SM count, shared memory, warp)
-and the policy that picks threads per block and splits."""
+"""CUDA plans: the one place for the GPU's facts (``GPU``: SM count, shared memory, warp),
+the plan type (``CudaPlan``: threads per block, GEMM tiles) and the policy that picks
+threads per block and splits."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from algebra.rule import FusionRule
 
@@ -44,6 +47,42 @@ GEMM = {
     "mr": (4, "rows of sums per thread"),
     "nr": (4, "columns of sums per thread: 16 sums, 8 shared loads per 16 multiply-adds"),
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class CudaPlan(Plan):
+    """A CUDA plan: the shared fields (``lanes`` is always 1: the threads of a block share
+    a row), the threads per block and the tiles of a rule's matrix products (``GEMM``,
+    ``gemm.py``; 0: none).
+
+    Examples
+    --------
+    >>> print(CudaPlan("split", splits=8, threads=128, reason="few rows"))
+    split (1 lanes, 8 splits): few rows
+    >>> CudaPlan("rolling", tile=8)
+    Traceback (most recent call last):
+    ...
+    TypeError: CudaPlan.__init__() got an unexpected keyword argument 'tile'
+    """
+
+    threads: int = 1  # threads per block, their states combined by a shared-memory merge tree
+    # matrix products: a block computes an mc x nc tile of the output, each of its threads
+    # mr x nr sums in registers; K in slices of kc staged in shared memory
+    mc: int = 0
+    nc: int = 0
+    kc: int = 0
+    mr: int = 0
+    nr: int = 0
+
+    hidden: ClassVar[frozenset[str]] = frozenset({"lanes"})  # always 1
+    terse: ClassVar[frozenset[str]] = frozenset(GEMM)
+    # the CPU's fields at their defaults; nt: the tiled GEMM's plans held 1, never read
+    retired: ClassVar[Mapping[str, tuple[int, ...]]] = {
+        "tile": (1,), "row_block": (1,), "nt": (0, 1)}
+
+    def details(self) -> str:
+        return (f", GEMM tiles of {self.mc} x {self.nc} a block, {self.mr} x {self.nr} sums a "
+                f"thread, K slices of {self.kc}" if self.mr else "")
 
 
 def threads_for(rule: FusionRule, geo: Geometry, limit: int = MAX_THREADS) -> int:
@@ -118,7 +157,7 @@ def resident_fit(rule, geo: Geometry, dynamic: bool = False) -> str:
 
 def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
            splits: int | None = None, threads: int | None = None,
-           fast_math: bool = True) -> Plan:
+           fast_math: bool = True) -> CudaPlan:
     """One block per row, threads merged by a tree; split rows over blocks when there are
     fewer rows than SMs and each thread still gets several elements."""
     check_variant(variant)
@@ -127,19 +166,20 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     check_fits(rule, geo)
     threads = threads_for(rule, geo)
     if variant == "unfused":
-        return Plan("unfused", 1, 1, fast_math, "requested: one kernel per reduction", threads)
+        return CudaPlan("unfused", 1, 1, fast_math, "requested: one kernel per reduction",
+                        threads=threads)
     few = geo.r < GPU.sms and geo.n >= 4 * threads
     if variant == "split" or (variant is None and few):
         s = splits or min(threads, max(2, GPU.sms // max(geo.r, 1)), max(1, geo.n // threads))
         s = max(1, min(s, threads, geo.n))
         why = "requested" if variant else f"{geo.r} rows < {GPU.sms} SMs: split each row"
-        return Plan("split", 1, s, fast_math, why, threads)
-    return Plan("rolling", 1, 1, fast_math, "one block per row, threads merged by a tree",
-                threads)
+        return CudaPlan("split", 1, s, fast_math, why, threads=threads)
+    return CudaPlan("rolling", 1, 1, fast_math, "one block per row, threads merged by a tree",
+                    threads=threads)
 
 
 def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None,
-              fast_math: bool) -> Plan:
+              fast_math: bool) -> CudaPlan:
     """Rolling or unfused (``variant``; None: rolling) with the matrix products as the tiled
     GEMM of ``GEMM``; the rest of the cascade folds per row beside it (``gemm.py``).
 
@@ -150,9 +190,9 @@ def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None,
     >>> rule = redfuser.derive("rmsnorm_gemm")
     >>> print(gemm_plan(rule, shape_geometry(rule, {"x": (256, 4096), "w": (4096, 4096)}),
     ...                 None, True))  # doctest: +NORMALIZE_WHITESPACE
-    rolling (1 lanes, GEMM micro-kernel 4 x 4, KC 16, NC 64, MC 64, NT 1): 256 rows hold 1
-    matrix product(s): tiles of 64 x 64 outputs a block, the other reductions in a launch of
-    their own
+    rolling (1 lanes, GEMM tiles of 64 x 64 a block, 4 x 4 sums a thread, K slices of 16): 256
+    rows hold 1 matrix product(s): tiles of 64 x 64 outputs a block, the other reductions in
+    a launch of their own
     """
     blocks = {k: v for k, (v, _) in GEMM.items()}
     threads = (blocks["mc"] // blocks["mr"]) * (blocks["nc"] // blocks["nr"])
@@ -161,11 +201,11 @@ def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None,
     why += f": tiles of {blocks['mc']} x {blocks['nc']} outputs a block, the other " + \
         ("reductions unfused before them" if variant == "unfused" else
          "reductions in a launch of their own")
-    return Plan(variant or "rolling", 1, 1, fast_math, why, threads, nt=1, **blocks)
+    return CudaPlan(variant or "rolling", 1, 1, fast_math, why, threads=threads, **blocks)
 
 
 def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
-                 fast_math: bool = True) -> Plan:
+                 fast_math: bool = True) -> CudaPlan:
     """The plan of a kernel for every row count and N (``Plan.dynamic``): one block per row
     (the grid's size is the row count, read from the arguments), the threads striding over
     a row of any length; no split (its pieces depend on N), no row copied to shared memory
@@ -183,5 +223,5 @@ def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,
     check_variant(variant, dynamic=True)
     check_fits(rule, geo)
     why = "requested: one kernel per reduction" if variant == "unfused" else "any rows and N"
-    return Plan(variant or "rolling", 1, 1, fast_math, f"{why}; one block per row, threads "
-                "merged by a tree", threads_for(rule, geo), dynamic=True)
+    return CudaPlan(variant or "rolling", 1, 1, fast_math, f"{why}; one block per row, "
+                    "threads merged by a tree", threads=threads_for(rule, geo), dynamic=True)

@@ -7,7 +7,7 @@ from algebra.rule import FusionRule
 
 from ...tvm.target import cuda_device_name
 from ..geometry import Geometry
-from ..plan import GEMM_FIELDS, MIN_PIECE, SPLIT_VALUES, Param, Plan
+from ..plan import MIN_PIECE, SPLIT_VALUES, Param
 from ..products import products
 from . import plan as cuda_plan
 
@@ -22,8 +22,8 @@ def params(rule: FusionRule, geo: Geometry, variant: str,
     ``threads`` (the host's) plays no part on the GPU."""
     if products(rule, geo) and variant != "split":  # the hand-written tiled GEMM, fixed
         plan = cuda_plan.gemm_plan(rule, geo, variant, True)
-        return tuple(Param(name, (getattr(plan, name),), "the tiled GEMM of the rule's "
-                           "matrix products (not searched)") for name in ("threads", *GEMM_FIELDS))
+        return tuple(Param(name, (getattr(plan, name),), "the tiled GEMM of the rule's matrix "
+                           "products (not searched)") for name in ("threads", *cuda_plan.GEMM))
     if not cuda_plan.fits(rule, geo):  # no warp's states fit a block's shared memory
         return None
     most = cuda_plan.threads_for(rule, geo, limit=max(THREADS))
@@ -36,7 +36,7 @@ def params(rule: FusionRule, geo: Geometry, variant: str,
         if values else None
 
 
-def plan_fits(plan: Plan) -> bool:
+def plan_fits(plan: cuda_plan.CudaPlan) -> bool:
     """Every plan of the space fits: the tiled GEMM is fixed, threads are bounded above."""
     return True
 
