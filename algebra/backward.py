@@ -45,14 +45,14 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from .cascade import POSITION, Cascade, N
+from .adjoint import Adjoint, RowSum, diff, results_in_order, spelled, symbols_of
+from .backward_proof import prove
+from .cascade import POSITION, Cascade
 from .errors import NoBackward
-from .functions import Relu, Where
 from .limits import DERIVE_BUDGET_S, budget_raises, time_budget
 from .names import fresh
 from .printing import spec_text
 
-PROOF_LENGTHS = (1, 2, 3)  # unrolled element counts the gradients are proven at
 STABILISERS = ("max", "min")  # reductions that may pass nothing (their adjoint is proven 0)
 
 # why a gradient or a whole backward is refused, as data: reason -> message template
@@ -67,41 +67,11 @@ REFUSALS = {
           "differentiated",
     "vector_input": "{name} holds feature vectors: its gradient is a per-element vector, "
                     "summed over the rows that share it (the other orientation; not built)",
-    "underivable": "d/d{name} of `{expr}` has no closed form in the spec language",
 }
-
-
-# sympy's simplify writes tanh' = 1 - tanh**2 as cosh**-2; the spec language has tanh only
-SPELLED = {sp.cosh: lambda u: 1 / sp.sqrt(1 - sp.tanh(u) ** 2),
-           sp.sinh: lambda u: sp.tanh(u) / sp.sqrt(1 - sp.tanh(u) ** 2)}
-
-
-def spelled(e: sp.Expr) -> sp.Expr:
-    """``e`` with the functions the spec language lacks written with those it has."""
-    for f, form in SPELLED.items():
-        e = e.replace(f, form)
-    return e
 
 
 def refusal(reason: str, **what) -> str:
     return REFUSALS[reason].format(**what)
-
-
-@dataclass(frozen=True)
-class Adjoint:
-    """d loss / d R for a per-row value R: ``row + sum over the stream of body``."""
-
-    row: sp.Expr = sp.S.Zero
-    body: sp.Expr = sp.S.Zero
-
-    def __add__(self, other: Adjoint) -> Adjoint:
-        return Adjoint(self.row + other.row, self.body + other.body)
-
-    def times(self, c: sp.Expr) -> Adjoint:
-        return Adjoint(self.row * c, self.body * c)
-
-    def vanishes(self) -> bool:
-        return sp.simplify(self.row) == 0 and sp.simplify(self.body) == 0
 
 
 @dataclass(frozen=True)
@@ -147,26 +117,6 @@ class Backward:
         return "\n".join(lines)
 
 
-def diff(expr: sp.Expr, s: sp.Symbol) -> sp.Expr:
-    """d expr / d s with torch's conventions (module docstring): relu as a select, a
-    select's condition held constant."""
-    expr = expr.replace(Relu, lambda u: Where(u > 0, u, 0))
-    frozen = {}
-
-    def hold(w):
-        if s not in w.args[0].free_symbols:
-            return w
-        k = sp.Dummy(f"held_{s.name}", real=True)
-        frozen[k] = s
-        return Where(w.args[0].subs(s, k), *w.args[1:])
-
-    out = expr.replace(lambda e: isinstance(e, Where), hold).diff(s).subs(frozen)
-    if out.has(sp.Derivative):
-        raise NoBackward(refusal("underivable", name=s.name, expr=expr))
-    return out
-
-
-
 @dataclass
 class _Sweep:
     """The reverse sweep's working data: adjoints, the backward spec's lines, names."""
@@ -192,48 +142,9 @@ class _Sweep:
                 self.held[result] = sp.simplify(a.row)
             else:
                 g = sp.Symbol(self.name(f"g_{result}"), real=True)
-                self.lines.append((g.name, a.row + _Sum(sp.simplify(a.body))))
+                self.lines.append((g.name, a.row + RowSum(sp.simplify(a.body))))
                 self.held[result] = g
         return self.held[result]
-
-
-class _Sum(sp.Function):
-    """``sum(body)`` over the stream, as a node of a backward line (printed as the spec's
-    reduction; unrolled by the proof)."""
-
-    nargs = 1
-
-    def _redfuser_spec(self, printer):
-        return f"sum({printer._print(self.args[0])})"
-
-
-def _symbols(c: Cascade) -> dict[str, sp.Symbol]:
-    """Every symbol the cascade's expressions use, by name, and a real symbol for each
-    result that no expression reads."""
-    exprs = [r.body for r in c.reductions] + [*c.epilogues.values(), *c.elementwise.values()]
-    out = {s.name: s for e in exprs for s in e.free_symbols}
-    for r in c.reductions:
-        out.setdefault(r.name, r.symbol)
-    for name in c.epilogues:
-        out.setdefault(name, sp.Symbol(name, real=True))
-    return out
-
-
-def _results(c: Cascade) -> list[str]:
-    """Per-row results in dependence order (reductions and epilogues interleaved)."""
-    defs = {r.name: r.body for r in c.reductions} | dict(c.epilogues)
-    order: list[str] = []
-
-    def visit(name):
-        if name in order:
-            return
-        for dep in sorted(s.name for s in defs[name].free_symbols if s.name in defs):
-            visit(dep)
-        order.append(name)
-
-    for name in defs:
-        visit(name)
-    return order
 
 
 def terminal_outputs(c: Cascade) -> tuple[str, ...]:
@@ -257,14 +168,14 @@ def backward(c: Cascade, outputs: tuple[str, ...] | None = None) -> Backward:
 
 def _derived(c: Cascade, outputs: tuple[str, ...]) -> Backward:
     taken = set(c.names) | set(c.outputs) | {s.name for s in (*c.streams, *c.params)}
-    sw = _Sweep(c, _symbols(c), taken)
+    sw = _Sweep(c, symbols_of(c), taken)
     up = {o: sp.Symbol(sw.name(f"d{o}"), real=True) for o in outputs}
     stabilisers = _sweep(sw, up)
     streams, params, refused = _input_gradients(sw, up)
     spec = _spec_text(c, sw, up, streams)
-    proofs = _prove(c, sw, up, stabilisers, streams, params)
+    proofs = prove(c, sw.sym, sw.lines, up, stabilisers, streams, params)
     exprs = [e for _, e in sw.lines] + [e for _, _, e in streams]
-    saved = sorted({s.name for e in exprs for s in e.free_symbols} & set(_results(c)))
+    saved = sorted({s.name for e in exprs for s in e.free_symbols} & set(results_in_order(c)))
     grads = {s.name: (g, "per element: a stream of each row, row-parallel")
              for s, g, _ in streams}
     grads |= {p: (g, "per row: a sum over the row's stream") for p, g in params.items()}
@@ -292,7 +203,7 @@ def _sweep(sw: _Sweep, up: dict[str, sp.Symbol]) -> list[str]:
     """Adjoints of every per-row value, readers before what they read; returns the
     stabilisers (max/min results whose adjoint is proven 0)."""
     c, reductions = sw.c, {r.name: r for r in sw.c.reductions}
-    values = set(_results(c)) | {p.name for p in c.params}
+    values = set(results_in_order(c)) | {p.name for p in c.params}
     for o, d in up.items():
         if o in c.elementwise:
             g = c.elementwise[o]
@@ -301,7 +212,7 @@ def _sweep(sw: _Sweep, up: dict[str, sp.Symbol]) -> list[str]:
         else:
             sw.adjoint[o] += Adjoint(row=d)
     stabilisers = []
-    for name in reversed(_results(c)):
+    for name in reversed(results_in_order(c)):
         a = sw.adjoint[name]
         if name in c.epilogues:
             for s in c.epilogues[name].free_symbols:
@@ -362,7 +273,7 @@ def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
         else:
             g = sw.name(f"d{p.name}")
             body = sp.simplify(a.body)
-            sw.lines.append((g, sp.simplify(a.row) + (_Sum(body) if body != 0 else 0)))
+            sw.lines.append((g, sp.simplify(a.row) + (RowSum(body) if body != 0 else 0)))
             params[p.name] = g
     return streams, params, refused
 
@@ -391,7 +302,7 @@ def written(c: Cascade) -> str:
     name, reductions = _spelling(c, {s.name for s in c.streams}), {r.name: r for r in
                                                                    c.reductions}
     lines = []
-    for result in _results(c):
+    for result in results_in_order(c):
         if result in reductions:
             r = reductions[result]
             k = f", {r.k}" if r.k else ""
@@ -410,76 +321,3 @@ def _spec_text(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], streams) -> str
     return "\n".join(lines)
 
 
-def _is_zero(e: sp.Expr) -> bool:
-    """e = 0 wherever the derivatives exist: sympy's simplify, then again with
-    sign(u) = u / |u| (true for u != 0; at u = 0 neither |u| nor sqrt(u**2) has one)."""
-    return sp.simplify(e) == 0 or sp.simplify(
-        e.replace(sp.sign, lambda u: u / sp.Abs(u))) == 0
-
-
-def _prove(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], stabilisers: list[str],
-           streams, params: dict[str, str]) -> tuple[tuple[str, bool], ...]:
-    """The gradients against ``sympy.diff`` of the multi-pass loss, unrolled at each of
-    ``PROOF_LENGTHS`` symbolic elements (module docstring)."""
-    # a stabiliser's adjoint simplified to 0 symbolically (``_sweep``): for every N, not
-    # only the unrolled ones, which then hold it constant
-    proofs = [(f"adjoint of {m} = 0 for every N: {m} only stabilises", True)
-              for m in stabilisers]
-    for n in PROOF_LENGTHS:
-        u = _Unrolled(c, sw, up, n, set(stabilisers))
-        loss = u.loss()
-        for s, g, e in streams:
-            ok = all(_is_zero(diff(loss, u.element(s, j)) - u.at(e, j)) for j in range(n))
-            proofs.append((f"{g}[i] = d loss / d {s.name}[i] at N = {n}", ok))
-        for p, g in params.items():
-            ok = _is_zero(diff(loss, sw.sym[p]) - u.value(g))
-            proofs.append((f"{g} = d loss / d {p} at N = {n}", ok))
-    return tuple(proofs)
-
-
-class _Unrolled:
-    """The forward and backward cascades at ``n`` symbolic elements: every per-row value
-    in closed form (a stabiliser stays a symbol: its own proof says nothing depends on
-    it)."""
-
-    def __init__(self, c, sw, up, n, stabilisers):
-        self.c, self.sw, self.up, self.n = c, sw, up, n
-        self.per_element = [*c.streams, *(up[o] for o in up if o in c.elementwise)]
-        self.env = {N: sp.Integer(n)}
-        reductions = {r.name: r for r in c.reductions}
-        for name in _results(c):
-            if name in stabilisers:
-                continue
-            expr = reductions[name].body if name in reductions else c.epilogues[name]
-            self.env[sw.sym[name]] = (self.total(expr) if name in reductions
-                                      else expr.subs(self.env))
-        for g, e in sw.lines:
-            self.env[sp.Symbol(g, real=True)] = self.closed(e)
-
-    def element(self, s: sp.Symbol, j: int) -> sp.Symbol:
-        return sp.Symbol(f"{s.name}_{j}", real=True)
-
-    def at(self, expr: sp.Expr, j: int) -> sp.Expr:
-        """``expr`` at element j, every per-row value in closed form."""
-        here = {s: self.element(s, j) for s in self.per_element} | {POSITION: sp.Integer(j)}
-        return expr.subs(here).subs(self.env)
-
-    def total(self, body: sp.Expr) -> sp.Expr:
-        return sp.Add(*(self.at(body, j) for j in range(self.n)))
-
-    def closed(self, expr: sp.Expr) -> sp.Expr:
-        return expr.replace(lambda e: isinstance(e, _Sum), lambda e: self.total(e.args[0])) \
-            .subs(self.env)
-
-    def value(self, name: str) -> sp.Expr:
-        return self.env[sp.Symbol(name, real=True)]
-
-    def loss(self) -> sp.Expr:
-        """sum over the outputs of upstream * output: its gradient is the backward's."""
-        out = sp.S.Zero
-        for o, d in self.up.items():
-            if o in self.c.elementwise:
-                out += self.total(d * self.c.elementwise[o])
-            else:
-                out += d * self.env[self.sw.sym[o]]
-        return out

@@ -68,7 +68,7 @@ def _torch_fn(torch, op: str):
 
 def _step_fn(torch, impl: str, op: str, out_name: str, inputs: dict):
     if impl == "redfuser":
-        import redfuser.torch as rt
+        import redfuser.torch as rt  # loads TVM: only in a redfuser case's process
 
         cascade = rt.op(op, scalars=tuple(k for k, v in inputs.items()
                                           if isinstance(v, float)))
@@ -98,7 +98,7 @@ def _status(field: str) -> int:
 
 def case(workload: str, impl: str, scale: float, repeat: int) -> dict:
     """One (workload, implementation) in this process: median step ms and peak extra MB."""
-    import torch
+    import torch  # in the case's own process only (the parent never loads it)
 
     op, out_name, spec = WORKLOADS[workload]
     inputs = _inputs(torch, spec, scale)

@@ -1,0 +1,104 @@
+"""The pieces of reverse-mode differentiation that the backward derivation
+(``algebra.backward``) and its proof (``algebra.backward_proof``) share: the adjoint of a
+per-row value, differentiation with torch's conventions, a sum over the stream as a node of
+a backward line, and the order of a cascade's per-row results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .cascade import Cascade
+from .errors import NoBackward
+from .functions import Relu, Where
+
+UNDERIVABLE = "d/d{name} of `{expr}` has no closed form in the spec language"
+
+
+# sympy's simplify writes tanh' = 1 - tanh**2 as cosh**-2; the spec language has tanh only
+SPELLED = {sp.cosh: lambda u: 1 / sp.sqrt(1 - sp.tanh(u) ** 2),
+           sp.sinh: lambda u: sp.tanh(u) / sp.sqrt(1 - sp.tanh(u) ** 2)}
+
+
+def spelled(e: sp.Expr) -> sp.Expr:
+    """``e`` with the functions the spec language lacks written with those it has."""
+    for f, form in SPELLED.items():
+        e = e.replace(f, form)
+    return e
+
+
+@dataclass(frozen=True)
+class Adjoint:
+    """d loss / d R for a per-row value R: ``row + sum over the stream of body``."""
+
+    row: sp.Expr = sp.S.Zero
+    body: sp.Expr = sp.S.Zero
+
+    def __add__(self, other: Adjoint) -> Adjoint:
+        return Adjoint(self.row + other.row, self.body + other.body)
+
+    def times(self, c: sp.Expr) -> Adjoint:
+        return Adjoint(self.row * c, self.body * c)
+
+    def vanishes(self) -> bool:
+        return sp.simplify(self.row) == 0 and sp.simplify(self.body) == 0
+
+
+def diff(expr: sp.Expr, s: sp.Symbol) -> sp.Expr:
+    """d expr / d s with torch's conventions (module docstring): relu as a select, a
+    select's condition held constant."""
+    expr = expr.replace(Relu, lambda u: Where(u > 0, u, 0))
+    frozen = {}
+
+    def hold(w):
+        if s not in w.args[0].free_symbols:
+            return w
+        k = sp.Dummy(f"held_{s.name}", real=True)
+        frozen[k] = s
+        return Where(w.args[0].subs(s, k), *w.args[1:])
+
+    out = expr.replace(lambda e: isinstance(e, Where), hold).diff(s).subs(frozen)
+    if out.has(sp.Derivative):
+        raise NoBackward(UNDERIVABLE.format(name=s.name, expr=expr))
+    return out
+
+
+
+class RowSum(sp.Function):
+    """``sum(body)`` over the stream, as a node of a backward line (printed as the spec's
+    reduction; unrolled by the proof)."""
+
+    nargs = 1
+
+    def _redfuser_spec(self, printer):
+        return f"sum({printer._print(self.args[0])})"
+
+
+def symbols_of(c: Cascade) -> dict[str, sp.Symbol]:
+    """Every symbol the cascade's expressions use, by name, and a real symbol for each
+    result that no expression reads."""
+    exprs = [r.body for r in c.reductions] + [*c.epilogues.values(), *c.elementwise.values()]
+    out = {s.name: s for e in exprs for s in e.free_symbols}
+    for r in c.reductions:
+        out.setdefault(r.name, r.symbol)
+    for name in c.epilogues:
+        out.setdefault(name, sp.Symbol(name, real=True))
+    return out
+
+
+def results_in_order(c: Cascade) -> list[str]:
+    """Per-row results in dependence order (reductions and epilogues interleaved)."""
+    defs = {r.name: r.body for r in c.reductions} | dict(c.epilogues)
+    order: list[str] = []
+
+    def visit(name):
+        if name in order:
+            return
+        for dep in sorted(s.name for s in defs[name].free_symbols if s.name in defs):
+            visit(dep)
+        order.append(name)
+
+    for name in defs:
+        visit(name)
+    return order
