@@ -180,8 +180,9 @@ class Gradient:
     derived: Backward
     op: CascadeOp | None
 
-    def run(self, values: dict) -> dict:
-        """Gradient name -> tensor, from the backward's inputs by name."""
+    def run(self, values: dict, needed: set[str]) -> dict:
+        """Gradient name -> tensor, from the backward's inputs by name; a map computes the
+        ``needed`` gradients only (a kernel writes all of its outputs in its one pass)."""
         if self.op is not None:
             return dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
                             strict=True))
@@ -190,6 +191,8 @@ class Gradient:
                     if o in self.derived.forward.elementwise}
         out = {}
         for name, expr in self.derived.maps.items():
+            if name not in needed:
+                continue
             args = sorted(expr.free_symbols, key=lambda s: s.name)
             f = sp.lambdify(args, expr, modules=[TORCH_FUNCS])
             out[name] = f(*(_per_element(values[a.name], a.name in streams) for a in args))
@@ -255,9 +258,12 @@ def _derived_backward(name: str, grad: Gradient, inputs: tuple, returned: tuple,
     values |= {n: outputs[n] for n in grad.derived.saved}
     for o, g in zip(returned, grads, strict=True):
         if o in grad.derived.upstream:
-            name = grad.derived.upstream[o]
-            values[name] = torch.zeros_like(outputs[o]) if g is None else g.contiguous()
-    out = grad.run(values)
+            values[grad.derived.upstream[o]] = (torch.zeros_like(outputs[o]) if g is None
+                                                else g.contiguous())
+    needed = {grad.derived.gradients[n][0] for n, need in zip(inputs, ctx.needs_input_grad,
+                                                               strict=True)
+              if need and n in grad.derived.gradients}
+    out = grad.run(values, needed)
     result = []
     for n, is_tensor, need in zip(inputs, ctx.tensor_inputs, ctx.needs_input_grad,
                                   strict=True):
