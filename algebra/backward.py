@@ -49,11 +49,13 @@ from .adjoint import Adjoint, RowSum, diff, results_in_order, spelled, symbols_o
 from .backward_proof import prove
 from .cascade import POSITION, Cascade
 from .errors import NoBackward
+from .laws import LAWS
 from .limits import DERIVE_BUDGET_S, budget_raises, time_budget
 from .names import fresh
 from .printing import spec_text
 
 STABILISERS = ("max", "min")  # reductions that may pass nothing (their adjoint is proven 0)
+INDEX_RETURNS = ("index", "indices_k")  # a law's ``returns`` for an integer result
 
 # why a gradient or a whole backward is refused, as data: reason -> message template
 REFUSALS = {
@@ -153,7 +155,7 @@ def terminal_outputs(c: Cascade) -> tuple[str, ...]:
     have no gradient."""
     exprs = [r.body for r in c.reductions] + [*c.epilogues.values(), *c.elementwise.values()]
     read = {s.name for e in exprs for s in e.free_symbols}
-    indices = {r.name for r in c.reductions if r.op.startswith("arg")}
+    indices = {r.name for r in c.reductions if LAWS[r.op].returns in INDEX_RETURNS}
     return tuple(o for o in c.outputs if o not in read | indices)
 
 
@@ -193,7 +195,7 @@ def _check_outputs(c: Cascade, outputs: tuple[str, ...]) -> None:
             raise NoBackward(f"{o} is not an output of the cascade (its outputs: "
                              f"{', '.join(c.outputs)})")
         if ops.get(o, "sum") not in ("sum", *STABILISERS):
-            why = "index" if ops[o].startswith("arg") else "selection"
+            why = "index" if LAWS[ops[o]].returns in INDEX_RETURNS else "selection"
             raise NoBackward(refusal(why, name=o, op=ops[o]))
         if c.shapes.get(o) is not None and (c.shapes[o].vec or c.shapes[o].k):
             raise NoBackward(refusal("vector_result", name=o))
