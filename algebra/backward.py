@@ -243,7 +243,7 @@ def _through_sum(sw: _Sweep, red, s: sp.Symbol, a: Adjoint) -> Adjoint:
     pole: x * m gives 1/m), that is c * red; else one more sum."""
     db = diff(red.body, s)
     ratio = sp.simplify(db / red.body)
-    per_element = {*sw.c.streams, sp.Symbol("i")} | {POSITION}
+    per_element = {*sw.c.streams, POSITION}
     new_pole = sp.denom(ratio).free_symbols - sp.denom(sp.together(db)).free_symbols
     if not ratio.free_symbols & per_element and not new_pole:
         return a.times(ratio * sw.sym[red.name])
