@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # pytest workers (pytest-xdist): the suite's builds are single-threaded LLVM runs
 JOBS ?= 2
 
-.PHONY: demo test gpu-check gpu-bundle bench clean
+.PHONY: demo test gpu-check gpu-bundle bench train-bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ gpu-bundle: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m redfuser.tools.bench
+
+# forward + backward of redfuser ops against torch, time and peak memory (docs/training.md)
+train-bench: $(STAMP)
+	$(PY) -m redfuser.tools.train_bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
