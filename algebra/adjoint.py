@@ -75,11 +75,15 @@ class RowSum(sp.Function):
         return f"sum({printer._print(self.args[0])})"
 
 
+def expressions_of(c: Cascade) -> list[sp.Expr]:
+    """Every expression of the cascade: reduction bodies, epilogues, per-element outputs."""
+    return [r.body for r in c.reductions] + [*c.epilogues.values(), *c.elementwise.values()]
+
+
 def symbols_of(c: Cascade) -> dict[str, sp.Symbol]:
     """Every symbol the cascade's expressions use, by name, and a real symbol for each
     result that no expression reads."""
-    exprs = [r.body for r in c.reductions] + [*c.epilogues.values(), *c.elementwise.values()]
-    out = {s.name: s for e in exprs for s in e.free_symbols}
+    out = {s.name: s for e in expressions_of(c) for s in e.free_symbols}
     for r in c.reductions:
         out.setdefault(r.name, r.symbol)
     for name in c.epilogues:

@@ -45,7 +45,15 @@ from dataclasses import dataclass, field
 
 import sympy as sp
 
-from .adjoint import Adjoint, RowSum, diff, results_in_order, spelled, symbols_of
+from .adjoint import (
+    Adjoint,
+    RowSum,
+    diff,
+    expressions_of,
+    results_in_order,
+    spelled,
+    symbols_of,
+)
 from .backward_proof import prove
 from .cascade import POSITION, Cascade
 from .errors import NoBackward
@@ -140,11 +148,12 @@ class _Sweep:
         else a line ``g_<result> = row + sum(body)`` of the backward spec, read by name."""
         if result not in self.held:
             a = self.adjoint[result]
-            if sp.simplify(a.body) == 0:
+            body = sp.simplify(a.body)
+            if body == 0:
                 self.held[result] = sp.simplify(a.row)
             else:
                 g = sp.Symbol(self.name(f"g_{result}"), real=True)
-                self.lines.append((g.name, a.row + RowSum(sp.simplify(a.body))))
+                self.lines.append((g.name, a.row + RowSum(body)))
                 self.held[result] = g
         return self.held[result]
 
@@ -153,8 +162,7 @@ def terminal_outputs(c: Cascade) -> tuple[str, ...]:
     """The float outputs no other value reads (softmax: y; logsumexp: lse): what a model
     differentiates by default; the others are statistics the forward saves, and indices
     have no gradient."""
-    exprs = [r.body for r in c.reductions] + [*c.epilogues.values(), *c.elementwise.values()]
-    read = {s.name for e in exprs for s in e.free_symbols}
+    read = {s.name for e in expressions_of(c) for s in e.free_symbols}
     indices = {r.name for r in c.reductions if LAWS[r.op].returns in INDEX_RETURNS}
     return tuple(o for o in c.outputs if o not in read | indices)
 
@@ -247,9 +255,7 @@ def _through_sum(sw: _Sweep, red, s: sp.Symbol, a: Adjoint) -> Adjoint:
     new_pole = sp.denom(ratio).free_symbols - sp.denom(sp.together(db)).free_symbols
     if not ratio.free_symbols & per_element and not new_pole:
         return a.times(ratio * sw.sym[red.name])
-    if sp.simplify(a.body) == 0:
-        return Adjoint(body=a.row * db)
-    return Adjoint(body=sw.value_of(red.name) * db)
+    return Adjoint(body=sw.value_of(red.name) * db)  # inline where the adjoint has no sum
 
 
 def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):

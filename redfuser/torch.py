@@ -30,6 +30,7 @@ Import this module explicitly (``import redfuser.torch``): it loads torch, which
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -175,10 +176,23 @@ TORCH_FUNCS = {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "Abs": to
 class Gradient:
     """An op's derived backward: the algebra's ``Backward`` and how it runs, the backward
     cascade's own op (``<name>_backward``), or, for a backward with no sum (a map of the
-    saved values, ``Backward.is_map``), torch's elementwise ops."""
+    saved values, ``Backward.is_map``), torch's elementwise ops (``maps``: gradient name ->
+    (function, its arguments as (name, per element?)), made once at registration)."""
 
     derived: Backward
     op: CascadeOp | None
+    maps: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of_map(cls, derived: Backward) -> Gradient:
+        streams = {s.name for s in derived.forward.streams}
+        streams |= {g for o, g in derived.upstream.items() if o in derived.forward.elementwise}
+        maps = {}
+        for name, expr in derived.maps.items():
+            args = sorted(expr.free_symbols, key=lambda s: s.name)
+            maps[name] = (sp.lambdify(args, expr, modules=[TORCH_FUNCS]),
+                          tuple((a.name, a.name in streams) for a in args))
+        return cls(derived, None, maps)
 
     def run(self, values: dict, needed: set[str]) -> dict:
         """Gradient name -> tensor, from the backward's inputs by name; a map computes the
@@ -186,17 +200,8 @@ class Gradient:
         if self.op is not None:
             return dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
                             strict=True))
-        streams = {s.name for s in self.derived.forward.streams} | set(self.derived.maps)
-        streams |= {g for o, g in self.derived.upstream.items()
-                    if o in self.derived.forward.elementwise}
-        out = {}
-        for name, expr in self.derived.maps.items():
-            if name not in needed:
-                continue
-            args = sorted(expr.free_symbols, key=lambda s: s.name)
-            f = sp.lambdify(args, expr, modules=[TORCH_FUNCS])
-            out[name] = f(*(_per_element(values[a.name], a.name in streams) for a in args))
-        return out
+        return {name: f(*(_per_element(values[a], stream) for a, stream in args))
+                for name, (f, args) in self.maps.items() if name in needed}
 
 
 def _per_element(value, stream: bool):
@@ -216,7 +221,7 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
     if not derived.proven:
         return "its backward did not prove (redfuser derive --backward shows the proof)"
     if derived.is_map:
-        return Gradient(derived, None)
+        return Gradient.of_map(derived)
     grad_scalars = tuple(s for s in scalars if s in derived.spec)
     return Gradient(derived, op(derived.spec, f"{name}_backward", grad_scalars,
                                 differentiable=False, **options))
