@@ -244,6 +244,11 @@ class OverBudget(BaseException):  # noqa: N818 - not an error users see: convert
 
 _TIMER, _SIGNAL = (signal.ITIMER_PROF, signal.SIGPROF) if hasattr(signal, "setitimer") else \
     (None, None)
+# Python drops an exception raised where it cannot propagate (a gc callback, a __del__, a
+# weakref callback: hypothesis installs a gc callback), so an expiry landing there is lost.
+# The timer therefore fires again every RETRY_S of CPU time until someone catches one.
+RETRY_S = 0.05
+_armed: dict[str, bool] = {"on": False}
 
 
 def _armable() -> bool:
@@ -253,33 +258,41 @@ def _armable() -> bool:
             and signal.getitimer(_TIMER) == (0.0, 0.0))
 
 
+def _disarm() -> None:
+    """An expiry was caught: no further one may fire while it is being converted."""
+    if _armed["on"]:
+        _armed["on"] = False
+        signal.setitimer(_TIMER, 0)
+
+
 @contextlib.contextmanager
 def time_budget(seconds: float | None) -> Iterator[None]:
     """Run the block within ``seconds`` of CPU time: when they are spent, ``OverBudget`` is
-    raised wherever the block is (once).  Elsewhere than the main thread of a POSIX process
-    the block runs unbounded: the other limits still bound what a spec can ask for.  An
-    ``OverBudget`` no stage converted leaves as a ``SpecError``.  ``None``: no budget."""
+    raised wherever the block is, and again every ``RETRY_S`` until it is caught.  Elsewhere
+    than the main thread of a POSIX process the block runs unbounded: the other limits still
+    bound what a spec can ask for.  An ``OverBudget`` no stage converted leaves as a
+    ``SpecError``.  ``None``: no budget."""
     if seconds is not None and not (isinstance(seconds, (int, float)) and 0 < seconds < math.inf):
         raise ValueError(f"a time budget is a positive number of seconds or None, not "
                          f"{seconds!r}")
     if seconds is None or not _armable():
         yield
         return
-    state = {"on": True}
 
     def expire(signum, frame):
-        if state["on"]:
+        if _armed["on"]:
             raise OverBudget(seconds)
 
     previous = signal.signal(_SIGNAL, expire)
-    signal.setitimer(_TIMER, seconds)
+    _armed["on"] = True
+    signal.setitimer(_TIMER, seconds, RETRY_S)
     try:
         yield
     except OverBudget:
+        _disarm()
         raise SpecError(budget_refusal(seconds), 1, 1) from None
     finally:
-        state["on"] = False
-        signal.setitimer(_TIMER, 0)
+        _disarm()
         signal.signal(_SIGNAL, signal.SIG_DFL if previous is None else previous)
 
 
@@ -293,6 +306,7 @@ def budget_raises(error: Callable[[str], Exception]):
     try:
         yield
     except OverBudget as e:
+        _disarm()
         raise error(budget_refusal(e.seconds)) from None
 
 
