@@ -11,7 +11,7 @@ import sympy as sp
 
 from .cascade import Cascade
 from .errors import NoBackward
-from .functions import Relu, Where
+from .functions import Dot, Relu, Where
 
 UNDERIVABLE = "d/d{name} of `{expr}` has no closed form in the spec language"
 
@@ -47,7 +47,23 @@ class Adjoint:
 
 def diff(expr: sp.Expr, s: sp.Symbol) -> sp.Expr:
     """d expr / d s with torch's conventions (module docstring): relu as a select, a
-    select's condition held constant."""
+    select's condition held constant.  A feature vector ``s`` read by dot products gives a
+    vector: d dot(s, k) / d s = k (each dot is a scalar unknown, then the chain rule)."""
+    dots = {d: sp.Dummy("dot", real=True) for d in expr.atoms(Dot) if s in d.args}
+    if dots:
+        for d in dots:
+            if not all(a.is_Symbol for a in d.args):
+                raise NoBackward(UNDERIVABLE.format(name=s.name, expr=d))
+        held = expr.xreplace(dots)
+        back = {z: d for d, z in dots.items()}
+        out = _diff(held, s) + sum((_diff(held, z) * sum(b for a, b in (d.args, d.args[::-1])
+                                                         if a == s) for d, z in dots.items()),
+                                   sp.S.Zero)
+        return out.xreplace(back)
+    return _diff(expr, s)
+
+
+def _diff(expr: sp.Expr, s: sp.Symbol) -> sp.Expr:
     expr = expr.replace(Relu, lambda u: Where(u > 0, u, 0))
     frozen = {}
 

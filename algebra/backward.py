@@ -55,8 +55,10 @@ from .adjoint import (
     symbols_of,
 )
 from .backward_proof import prove
+from .backward_vectors import ROLES, column_text, contracted, solved_hidden
 from .cascade import POSITION, Cascade
 from .errors import NoBackward
+from .functions import Where
 from .laws import LAWS
 from .limits import DERIVE_BUDGET_S, budget_raises, time_budget
 from .names import fresh
@@ -67,16 +69,13 @@ INDEX_RETURNS = ("index", "indices_k")  # a law's ``returns`` for an integer res
 
 # why a gradient or a whole backward is refused, as data: reason -> message template
 REFUSALS = {
-    "vector_result": "result {name} is a feature vector: the adjoint of a vector result is "
-                     "not derived (attention's o, rmsnorm_gemm's y)",
+    "k_result": "result {name} holds k values: the adjoint of a top-k list is not derived",
     "selection": "{name} = {op}(...) selects elements and the outputs may depend on it (its "
                  "adjoint is not proven 0): its subgradient (to the selected element) is not "
                  "derived",
     "index": "{name} is an index: integer outputs have no gradient",
     "op": "{name} = {op}(...): only sum reductions and max/min stabilisers are "
           "differentiated",
-    "vector_input": "{name} holds feature vectors: its gradient is a per-element vector, "
-                    "summed over the rows that share it (the other orientation; not built)",
 }
 
 
@@ -98,6 +97,9 @@ class Backward:
     refused: dict[str, str] = field(default_factory=dict)  # input -> why no gradient
     proofs: tuple[tuple[str, bool], ...] = ()
     maps: dict[str, sp.Expr] = field(default_factory=dict)  # gradient -> its per-element form
+    columns: str = ""  # gradients summed over the rows: a cascade whose stream is the rows
+    column_params: dict[str, str] = field(default_factory=dict)  # new parameter -> ROLES key
+    dots: dict[str, tuple[str, str]] = field(default_factory=dict)  # delta -> (upstream, output)
 
     @property
     def is_map(self) -> bool:
@@ -120,8 +122,14 @@ class Backward:
         lines += [f"  no gradient of {name}: {why}" for name, why in self.refused.items()]
         lines += [f"  {s}: a stabiliser, the outputs do not depend on it (proven)"
                   for s in self.stabilisers]
+        lines += [f"  {delta} = dot({d}, {o}) per row, from the saved output"
+                  for delta, (d, o) in self.dots.items()]
         lines.append("spec:")
         lines += [f"  {line}" for line in self.spec.splitlines()]
+        if self.columns:
+            lines.append("spec in the other orientation (the rows are its stream):")
+            lines += [f"  {line}" for line in self.columns.splitlines()]
+            lines += [f"  ({p}: {ROLES[role]})" for p, role in self.column_params.items()]
         lines.append("proof:")
         lines += [f"  [{'proven' if ok else 'FAILED'}] {what}" for what, ok in self.proofs]
         return "\n".join(lines)
@@ -176,24 +184,55 @@ def backward(c: Cascade, outputs: tuple[str, ...] | None = None) -> Backward:
         return _derived(c, outputs)
 
 
-def _derived(c: Cascade, outputs: tuple[str, ...]) -> Backward:
-    taken = set(c.names) | set(c.outputs) | {s.name for s in (*c.streams, *c.params)}
+def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
+    taken = set(forward.names) | set(forward.outputs) | {
+        s.name for s in (*forward.streams, *forward.params)}
+    up = {}
+    for o in outputs:
+        up[o] = sp.Symbol(fresh(f"d{o}", taken), real=True)
+        taken.add(up[o].name)
+    c, seeds, dots = contracted(forward, outputs, up, taken)
     sw = _Sweep(c, symbols_of(c), taken)
-    up = {o: sp.Symbol(sw.name(f"d{o}"), real=True) for o in outputs}
-    stabilisers = _sweep(sw, up)
-    streams, params, refused = _input_gradients(sw, up)
+    stabilisers = _sweep(sw, seeds, up)
+    streams, params, columns, refused = _input_gradients(sw, up)
+    if dots:  # simplified again: delta stands for what the sweep wrote in two pieces
+        sw.lines = [(g, _tidy(solved_hidden(forward, dots, e))) for g, e in sw.lines]
+        streams = [(s, g, _tidy(solved_hidden(forward, dots, e))) for s, g, e in streams]
+        columns = [(s, g, _tidy(solved_hidden(forward, dots, e))) for s, g, e in columns]
     spec = _spec_text(c, sw, up, streams)
-    proofs = prove(c, sw.sym, sw.lines, up, stabilisers, streams, params)
-    exprs = [e for _, e in sw.lines] + [e for _, _, e in streams]
-    saved = sorted({s.name for e in exprs for s in e.free_symbols} & set(results_in_order(c)))
+    proofs = prove(forward, sw.sym, sw.lines, up, dots, stabilisers, streams, params, columns)
+    exprs = [e for _, e in sw.lines] + [e for _, _, e in (*streams, *columns)]
+    reads = {s.name for e in exprs for s in e.free_symbols}
+    reads |= {o for o, (_, delta) in dots.items() if delta.name in reads}
+    saved = sorted(reads & set(results_in_order(c)))
     grads = {s.name: (g, "per element: a stream of each row, row-parallel")
              for s, g, _ in streams}
     grads |= {p: (g, "per row: a sum over the row's stream") for p, g in params.items()}
+    grads |= {s.name: (g, "per element of a stream the rows share: a sum over the rows, in "
+                          "the other orientation (the rows are its stream)")
+              for s, g, _ in columns}
+    column_spec, column_params = _column_spec(c, sw, up, dots, columns)
     hidden = set(saved) - set(c.outputs)
-    forward_spec = written(c) if hidden else c.text
-    return Backward(c, spec, {o: s.name for o, s in up.items()}, grads, tuple(saved),
+    forward_spec = written(forward) if hidden else forward.text
+    return Backward(forward, spec, {o: s.name for o, s in up.items()}, grads, tuple(saved),
                     forward_spec, tuple(stabilisers), refused, proofs,
-                    {g: spelled(e) for _, g, e in streams})
+                    {g: spelled(e) for _, g, e in streams}, column_spec, column_params,
+                    {delta.name: (d.name, o) for o, (d, delta) in dots.items()})
+
+
+def _tidy(e: sp.Expr) -> sp.Expr:
+    return e.replace(lambda x: isinstance(x, RowSum), lambda x: RowSum(sp.factor_terms(
+        sp.simplify(x.args[0])))) if e.has(RowSum) else sp.factor_terms(sp.simplify(e))
+
+
+def _column_spec(c: Cascade, sw: _Sweep, up, dots, columns) -> tuple[str, dict[str, str]]:
+    if not columns:
+        return "", {}
+    shared = {s.name for s in c.streams if s.name in c.vector_inputs}  # keys, values, weights
+    per_row = {s.name for _, _, e in columns for s in e.free_symbols} - shared
+    vectors = set(c.vector_inputs) | {d.name for d, _ in dots.values()}
+    return column_text(c, [(g, e) for _, g, e in columns], per_row, vectors, sw.taken,
+                       lambda e, spell: spec_text(spelled(e), spell, NoBackward))
 
 
 def _check_outputs(c: Cascade, outputs: tuple[str, ...]) -> None:
@@ -205,16 +244,17 @@ def _check_outputs(c: Cascade, outputs: tuple[str, ...]) -> None:
         if ops.get(o, "sum") not in ("sum", *STABILISERS):
             why = "index" if LAWS[ops[o]].returns in INDEX_RETURNS else "selection"
             raise NoBackward(refusal(why, name=o, op=ops[o]))
-        if c.shapes.get(o) is not None and (c.shapes[o].vec or c.shapes[o].k):
-            raise NoBackward(refusal("vector_result", name=o))
+        if c.shapes.get(o) is not None and c.shapes[o].k:
+            raise NoBackward(refusal("k_result", name=o))
 
 
-def _sweep(sw: _Sweep, up: dict[str, sp.Symbol]) -> list[str]:
-    """Adjoints of every per-row value, readers before what they read; returns the
-    stabilisers (max/min results whose adjoint is proven 0)."""
+def _sweep(sw: _Sweep, seeds: dict[str, sp.Expr], up: dict[str, sp.Symbol]) -> list[str]:
+    """Adjoints of every per-row value, readers before what they read, from each output's
+    seed (its upstream; 1 for a contracted vector output); returns the stabilisers
+    (max/min results whose adjoint is proven 0)."""
     c, reductions = sw.c, {r.name: r for r in sw.c.reductions}
     values = set(results_in_order(c)) | {p.name for p in c.params}
-    for o, d in up.items():
+    for o, d in seeds.items():
         if o in c.elementwise:
             g = c.elementwise[o]
             for s in g.free_symbols & {sw.sym[v] for v in values if v in sw.sym}:
@@ -250,7 +290,7 @@ def _through_sum(sw: _Sweep, red, s: sp.Symbol, a: Adjoint) -> Adjoint:
     db/ds = c * b with c free of the stream and dividing by nothing db/ds does not (no new
     pole: x * m gives 1/m), that is c * red; else one more sum."""
     db = diff(red.body, s)
-    ratio = sp.simplify(db / red.body)
+    ratio = _ratio(db, red.body)
     per_element = {*sw.c.streams, POSITION}
     new_pole = sp.denom(ratio).free_symbols - sp.denom(sp.together(db)).free_symbols
     if not ratio.free_symbols & per_element and not new_pole:
@@ -258,32 +298,43 @@ def _through_sum(sw: _Sweep, red, s: sp.Symbol, a: Adjoint) -> Adjoint:
     return Adjoint(body=sw.value_of(red.name) * db)  # inline where the adjoint has no sum
 
 
+def _ratio(db: sp.Expr, body: sp.Expr) -> sp.Expr:
+    """db / body, branch by branch through selects on one condition (a masked exp's
+    derivative is -1 times it on both branches; a branch 0 in both says nothing)."""
+    if isinstance(body, Where) and isinstance(db, Where) and db.args[0] == body.args[0]:
+        pairs = zip(db.args[1:], body.args[1:], strict=True)
+        ratios = {_ratio(d, b) for d, b in pairs if (d, b) != (0, 0)}
+        if len(ratios) == 1:
+            return ratios.pop()
+    return sp.simplify(db / body) if body != 0 else sp.nan
+
+
 def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
     """(stream gradients as (stream, gradient name, per-element expression), parameter
-    gradient names, refused inputs); parameter gradients become lines of the spec."""
-    c, streams, params, refused = sw.c, [], {}, {}
+    gradient names, gradients of vector streams as (name, per-element vector expression),
+    summed over the rows in the other orientation, refused inputs); parameter gradients
+    become lines of the spec."""
+    c, streams, params, columns, refused = sw.c, [], {}, [], {}
     sums = [r for r in c.reductions if r.op == "sum"]
     for s in c.streams:
-        if s.name in c.vector_inputs:
-            refused[s.name] = refusal("vector_input", name=s.name)
-            continue
         expr = sum((d * diff(c.elementwise[o], s) for o, d in up.items()
                     if o in c.elementwise), sp.S.Zero)
         expr += sum((sw.value_of(r.name) * diff(r.body, s) for r in sums
                      if s in r.body.free_symbols), sp.S.Zero)
-        streams.append((s, sw.name(f"d{s.name}"), sp.simplify(expr)))
+        if s.name in c.vector_inputs:
+            columns.append((s, sw.name(f"d{s.name}"), sp.simplify(expr)))
+        else:
+            streams.append((s, sw.name(f"d{s.name}"), sp.simplify(expr)))
     for p in c.params:
         a = sw.adjoint[p.name]
-        if p.name in c.vector_inputs:
-            refused[p.name] = refusal("vector_input", name=p.name)
-        elif a.vanishes():
+        if a.vanishes():
             refused[p.name] = "the outputs do not depend on it (or only through a condition)"
         else:
             g = sw.name(f"d{p.name}")
             body = sp.simplify(a.body)
             sw.lines.append((g, sp.simplify(a.row) + (RowSum(body) if body != 0 else 0)))
             params[p.name] = g
-    return streams, params, refused
+    return streams, params, columns, refused
 
 
 def _spelling(c: Cascade, per_element: set[str]):

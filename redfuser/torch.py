@@ -39,8 +39,10 @@ import sympy as sp
 import torch
 
 from algebra import Backward, FusionRule, NoBackward, derive
+from algebra.functions import Dot
 
 from .kernel import Kernel
+from .torch_columns import column_values
 from .torch_shapes import output_specs
 
 NAMESPACE = "redfuser"
@@ -182,6 +184,7 @@ class Gradient:
     derived: Backward
     op: CascadeOp | None
     maps: dict = dataclasses.field(default_factory=dict)
+    columns: CascadeOp | None = None  # gradients summed over the rows (``torch_columns``)
 
     @classmethod
     def of_map(cls, derived: Backward) -> Gradient:
@@ -197,11 +200,23 @@ class Gradient:
     def run(self, values: dict, needed: set[str]) -> dict:
         """Gradient name -> tensor, from the backward's inputs by name; a map computes the
         ``needed`` gradients only (a kernel writes all of its outputs in its one pass)."""
+        for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
+            values[delta] = (values[up] * values[o]).sum(-1)
         if self.op is not None:
-            return dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
-                            strict=True))
-        return {name: f(*(_per_element(values[a], stream) for a, stream in args))
-                for name, (f, args) in self.maps.items() if name in needed}
+            out = dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
+                           strict=True))
+        else:
+            out = {name: f(*(_per_element(values[a], stream) for a, stream in args))
+                   for name, (f, args) in self.maps.items() if name in needed}
+        if self.columns is not None and needed & set(self.columns.outputs):
+            shapes = self.derived.forward.shapes
+            rows = next(tuple(values[s].shape) for s in self.derived.saved
+                        if not (s in shapes and shapes[s].vec))
+            laid = column_values(self.derived, values | out, self.columns.inputs, rows)
+            of = {g: n for n, (g, _) in self.derived.gradients.items()}
+            out |= {g: t.reshape(values[of[g]].shape) for g, t in
+                    zip(self.columns.outputs, self.columns(*laid.values()), strict=True)}
+        return out
 
 
 def _per_element(value, stream: bool):
@@ -220,11 +235,16 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
         return str(e)
     if not derived.proven:
         return "its backward did not prove (redfuser derive --backward shows the proof)"
+    columns = op(derived.columns, f"{name}_backward_columns", differentiable=False,
+                 **options) if derived.columns else None
     if derived.is_map:
-        return Gradient.of_map(derived)
+        if derived.columns and any(e.has(Dot) for e in derived.maps.values()):
+            return "its per-element gradients are maps with dot products, which no torch " \
+                   "function runs here yet"
+        return dataclasses.replace(Gradient.of_map(derived), columns=columns)
     grad_scalars = tuple(s for s in scalars if s in derived.spec)
     return Gradient(derived, op(derived.spec, f"{name}_backward", grad_scalars,
-                                differentiable=False, **options))
+                                differentiable=False, **options), columns=columns)
 
 
 def _register_autograd(torch_op, name: str, inputs: tuple[str, ...],

@@ -15,25 +15,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import sympy as sp
+import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import redfuser
 from algebra import NoBackward, derive
 from algebra.backward import REFUSALS, written
-from algebra.backward_proof import is_zero
+from algebra.backward_proof import Unrolled, is_zero
+from algebra.functions import Dot
+from algebra.library import LIBRARY
 from algebra.spec import parse
+from redfuser.torch_columns import column_values
 from tests.support import cascade_inputs, cascades, examples, rule_for
 
-# (softmax_moments proves too, in ~7 s: its three levels make the N = 3 proof the slowest)
 PROVEN = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "layernorm", "rmsnorm",
-          "l2_normalize", "variance")
+          "l2_normalize", "variance", "softmax_moments", "attention", "causal_attention",
+          "rmsnorm_gemm", "softmin_average")
 # library cascade -> the start of the reason its backward is refused
 REFUSED = {
-    "attention": "result o is a feature vector",
-    "causal_attention": "result o is a feature vector",
-    "rmsnorm_gemm": "result y is a feature vector",
-    "softmin_average": "result y is a feature vector",
     "moe_routing": "p = topk(...) selects elements",
     "greedy_token": "p = max(...) selects elements",
     "geometric_mean": "g_prod = prod(...): only sum reductions",
@@ -48,7 +48,41 @@ def test_library_backwards_are_derived_and_proven(name):
     assert b.proven, str(b)
     assert b.proofs and all(ok for _, ok in b.proofs)
     assert set(b.saved) <= set(parse(b.forward_spec).outputs)  # the forward returns them
-    assert "x" in b.gradients  # every one of these differentiates its stream
+    streams = {s.name for s in b.forward.streams}
+    assert streams <= set(b.gradients)  # every one of these differentiates its streams
+
+
+def test_attention_backward_is_flash_attentions():
+    """What FlashAttention-2's backward does by hand comes out of the derivation: the
+    forward keeps m, d and o (not the N x N probabilities); delta = dot(do, o) per row; dq
+    is a sum over the keys in the rows' orientation; dk and dv are sums over the queries,
+    written with the queries as the stream (one kernel per key row: deterministic); the
+    learnable scale gets its gradient too; every one proven at two features."""
+    b = derive("causal_attention").backward()
+    assert b.saved == ("d", "m", "o") and b.dots == {"delta": ("do", "o")}
+    assert {n: g for n, (g, _) in b.gradients.items()} == {
+        "q": "dq", "scale": "dscale", "k": "dk", "v": "dv"}
+    assert "other orientation" in b.gradients["k"][1] and "per row" in b.gradients["q"][1]
+    assert b.spec.startswith("dq = sum(") and b.columns.startswith("dk = sum(")
+    assert "q[i, :]" in b.columns and "pos[i]" in b.columns and "at <= pos[i]" in b.columns
+    assert b.column_params == {"at": "position"} and "pos" in b.refused
+    assert b.proven and sum("2 features" in what for what, _ in b.proofs) == 6
+    assert "spec in the other orientation" in str(b)
+
+
+def test_the_component_proof_tells_a_wrong_vector_gradient_from_a_right_one():
+    """dv[i, :] = do * exp(s_i - m) / d proves at two features; without the / d it fails."""
+    c = parse(LIBRARY["attention"][0])
+    sym = {s.name: s for r in c.reductions for s in r.body.free_symbols}
+    do, delta = sp.Symbol("do", real=True), sp.Symbol("delta", real=True)
+    u = Unrolled(c, sym, [], {"o": do}, {"o": (do, delta)}, 2, {"m"})
+    q, k, v, m, scale = (sym[n] for n in ("q", "k", "v", "m", "scale"))
+    d = next(r.symbol for r in c.reductions if r.name == "d")
+    right = do * sp.exp(scale * Dot(q, k) - m) / d
+    for j in range(2):
+        got = u.gradient(u.loss(), u.element(v, j))
+        assert all(is_zero(g - w) for g, w in zip(got, u.at(right, j), strict=True))
+        assert not all(is_zero(g - w) for g, w in zip(got, u.at(right * d, j), strict=True))
 
 
 @pytest.mark.parametrize("name,reason", sorted(REFUSED.items()))
@@ -125,9 +159,17 @@ def test_generated_backward_kernels_match_differences_of_the_oracle(specs, seed,
     forward = redfuser.reference(b.forward_spec, inputs)
     upstream = {o: rng.normal(size=forward[o].shape) for o in b.upstream}
     assume(all(np.isfinite(forward[o]).all() for o in b.upstream))
-    grads = redfuser.compile(b.spec, tune=False)(
-        **inputs, **{s: forward[s].astype(np.float32) for s in b.saved},
-        **{g: upstream[o].astype(np.float32) for o, g in b.upstream.items()})
+    values = {**inputs, **{s: forward[s].astype(np.float32) for s in b.saved},
+              **{g: upstream[o].astype(np.float32) for o, g in b.upstream.items()}}
+    values |= {delta: np.sum(values[u] * values[o], -1) for delta, (u, o) in b.dots.items()}
+    grads = dict(redfuser.compile(b.spec, tune=False)(**values))
+    if b.columns:  # dk-like gradients: the rows are the stream (redfuser.torch_columns)
+        c = derive(b.columns).cascade
+        names = tuple(s.name for s in (*c.streams, *c.params))
+        laid = column_values(b, {k: torch.as_tensor(v) for k, v in values.items()}, names,
+                             (2,))
+        grads |= redfuser.compile(b.columns, tune=False)(
+            **{k: np.ascontiguousarray(v.numpy()) for k, v in laid.items()})
     for name, (grad, _) in b.gradients.items():
         want = _central_differences(spec, inputs, upstream, name)
         got = np.asarray(grads[grad], np.float64).reshape(want.shape)

@@ -1,0 +1,69 @@
+"""Laying a backward's values out for its other orientation (``Backward.columns``).
+
+A gradient summed over the rows (attention's dk and dv, rmsnorm_gemm's dw) runs as a
+cascade whose stream is the forward's rows.  The forward's rows have a shape ``R``
+(attention: heads x queries); a shared stream (k: heads x 1 x keys x D) keeps some row axes
+(heads) and is shared along the others (queries).  The other orientation's rows are the
+kept axes and the shared stream's positions (heads x keys); its stream is the shared row
+axes, flattened (queries).  So:
+
+- a shared stream is a per-row parameter as it is (its size-1 axes dropped);
+- a per-row value (q, do, m, d, delta, scale, pos) is broadcast to ``R``, its kept axes
+  moved first, then an axis of 1 (the keys'), then the shared axes flattened;
+- a stream each row holds its own of (rmsnorm_gemm's x) is transposed the same way, its
+  positions in place of the axis of 1;
+- ``at`` is the position of each shared-stream row, ``n_stream`` the forward's N.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from algebra import Backward
+
+
+def column_values(derived: Backward, values: dict, names: tuple[str, ...],
+                  rows: tuple[int, ...]) -> dict:
+    """The column cascade's inputs ``names``, from the backward's ``values`` and the
+    forward's row shape ``rows``."""
+    c = derived.forward
+    shared = [s.name for s in c.streams if s.name in c.vector_inputs]
+    lead = _lead(values[shared[0]], rows)
+    for s in shared[1:]:
+        if _lead(values[s], rows) != lead:
+            raise NotImplementedError(f"{shared[0]} and {s} are shared by different rows")
+    kept = [a for a in range(len(rows)) if lead[a] != 1]
+    along = [a for a in range(len(rows)) if lead[a] == 1]
+    sizes, width = tuple(rows[a] for a in kept), math.prod(rows[a] for a in along)
+    n, last = values[shared[0]].shape[-2], len(rows)
+    vectors = set(c.vector_inputs) | {u for o, u in derived.upstream.items()
+                                      if c.shapes.get(o) is not None and c.shapes[o].vec}
+    own = {s.name for s in c.streams} - set(shared)  # streams each row holds its own of
+    role = {r: p for p, r in derived.column_params.items()}
+    out = {}
+    for name in names:
+        if name in shared:
+            out[name] = values[name].reshape(*sizes, n, values[name].shape[-1])
+        elif name == role.get("position"):
+            out[name] = torch.arange(n, dtype=torch.float32)
+        elif name == role.get("length"):
+            out[name] = torch.tensor(float(n))
+        else:
+            v = torch.as_tensor(values[name], dtype=torch.float32)
+            if name in vectors:  # rows x D -> kept x 1 x shared rows x D
+                v = v.expand(*rows, v.shape[-1]).permute(*kept, *along, last)
+                out[name] = v.reshape(*sizes, 1, width, v.shape[-1])
+            elif name in own:  # rows x N -> kept x N x shared rows
+                v = v.expand(*rows, n).permute(*kept, last, *along)
+                out[name] = v.reshape(*sizes, n, width)
+            else:  # rows -> kept x 1 x shared rows
+                out[name] = v.expand(*rows).permute(*kept, *along).reshape(*sizes, 1, width)
+    return out
+
+
+def _lead(stream: torch.Tensor, rows: tuple[int, ...]) -> tuple[int, ...]:
+    """A shared stream's row axes, aligned to the forward's rows (missing ones are 1)."""
+    lead = tuple(stream.shape[:-2])
+    return (1,) * (len(rows) - len(lead)) + lead
