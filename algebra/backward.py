@@ -203,7 +203,8 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
     proofs = prove(forward, sw.sym, sw.lines, up, dots, stabilisers, streams, params, columns)
     exprs = [e for _, e in sw.lines] + [e for _, _, e in (*streams, *columns)]
     reads = {s.name for e in exprs for s in e.free_symbols}
-    reads |= {o for o, (_, delta) in dots.items() if delta.name in reads}
+    dots = {o: (d, delta) for o, (d, delta) in dots.items() if delta.name in reads}
+    reads |= set(dots)
     saved = sorted(reads & set(results_in_order(c)))
     grads = {s.name: (g, "per element: a stream of each row, row-parallel")
              for s, g, _ in streams}

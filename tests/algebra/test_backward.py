@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import sympy as sp
-import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +25,6 @@ from algebra.backward_proof import Unrolled, is_zero
 from algebra.functions import Dot
 from algebra.library import LIBRARY
 from algebra.spec import parse
-from redfuser.torch_columns import column_values
 from tests.support import cascade_inputs, cascades, examples, rule_for
 
 PROVEN = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "layernorm", "rmsnorm",
@@ -150,6 +148,11 @@ def test_generated_backward_kernels_match_differences_of_the_oracle(specs, seed,
     try:
         rule = rule_for(spec)
         assume(isinstance(rule, redfuser.FusionRule))
+        # feature vectors (contracted results, the other orientation) are covered by the
+        # library's attention, rmsnorm_gemm and softmin_average against torch's autograd;
+        # generated ones are not yet run here (their lowering of a per-element dot output
+        # is not built, and their backward kernels need the column layout)
+        assume(not rule.cascade.vector_inputs)
         b = rule.backward()
     except (redfuser.NotFusable, redfuser.SpecError, NoBackward):
         assume(False)  # refused by the forward engine, or a backward the engine refuses
@@ -159,17 +162,9 @@ def test_generated_backward_kernels_match_differences_of_the_oracle(specs, seed,
     forward = redfuser.reference(b.forward_spec, inputs)
     upstream = {o: rng.normal(size=forward[o].shape) for o in b.upstream}
     assume(all(np.isfinite(forward[o]).all() for o in b.upstream))
-    values = {**inputs, **{s: forward[s].astype(np.float32) for s in b.saved},
-              **{g: upstream[o].astype(np.float32) for o, g in b.upstream.items()}}
-    values |= {delta: np.sum(values[u] * values[o], -1) for delta, (u, o) in b.dots.items()}
-    grads = dict(redfuser.compile(b.spec, tune=False)(**values))
-    if b.columns:  # dk-like gradients: the rows are the stream (redfuser.torch_columns)
-        c = derive(b.columns).cascade
-        names = tuple(s.name for s in (*c.streams, *c.params))
-        laid = column_values(b, {k: torch.as_tensor(v) for k, v in values.items()}, names,
-                             (2,))
-        grads |= redfuser.compile(b.columns, tune=False)(
-            **{k: np.ascontiguousarray(v.numpy()) for k, v in laid.items()})
+    grads = redfuser.compile(b.spec, tune=False)(
+        **inputs, **{s: forward[s].astype(np.float32) for s in b.saved},
+        **{g: upstream[o].astype(np.float32) for o, g in b.upstream.items()})
     for name, (grad, _) in b.gradients.items():
         want = _central_differences(spec, inputs, upstream, name)
         got = np.asarray(grads[grad], np.float64).reshape(want.shape)
