@@ -96,7 +96,8 @@ class Backward:
     stabilisers: tuple[str, ...]  # max/min results the outputs do not depend on (proven)
     refused: dict[str, str] = field(default_factory=dict)  # input -> why no gradient
     proofs: tuple[tuple[str, bool], ...] = ()
-    maps: dict[str, sp.Expr] = field(default_factory=dict)  # gradient -> its per-element form
+    maps: dict[str, sp.Expr] = field(default_factory=dict)  # gradient -> its form where the
+    # spec cannot hold it: a per-element gradient, a per-row one with no sum (d eps)
     columns: str = ""  # gradients summed over the rows: a cascade whose stream is the rows
     column_params: dict[str, str] = field(default_factory=dict)  # new parameter -> ROLES key
     dots: dict[str, tuple[str, str]] = field(default_factory=dict)  # delta -> (upstream, output)
@@ -217,7 +218,11 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
     forward_spec = written(forward) if hidden else forward.text
     return Backward(forward, spec, {o: s.name for o, s in up.items()}, grads, tuple(saved),
                     forward_spec, tuple(stabilisers), refused, proofs,
-                    {g: spelled(e) for _, g, e in streams}, column_spec, column_params,
+                    {g: spelled(e) for g, e in [*((g, e) for _, g, e in streams),
+                                                 *((g, e) for g, e in sw.lines
+                                                   if g in params.values() and
+                                                   not e.has(RowSum))]},
+                    column_spec, column_params,
                     {delta.name: (d.name, o) for o, (d, delta) in dots.items()})
 
 
@@ -376,7 +381,8 @@ def written(c: Cascade) -> str:
 def _spec_text(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], streams) -> str:
     name = _spelling(c, {s.name for s in c.streams} | {up[o].name for o in up
                                                       if o in c.elementwise})
-    lines = [f"{g} = {spec_text(spelled(e), name, NoBackward)}" for g, e in sw.lines]
+    lines = [f"{g} = {spec_text(spelled(e), name, NoBackward)}" for g, e in sw.lines
+             if e.has(RowSum)]  # a per-row map (no sum) is run by the caller: ``maps``
     lines += [f"{g}[i] = {spec_text(spelled(e), name, NoBackward)}" for _, g, e in streams]
     return "\n".join(lines)
 

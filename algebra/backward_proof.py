@@ -23,7 +23,8 @@ def is_zero(e: sp.Expr, domain: sp.Expr = sp.S.Zero) -> bool:
     """e = 0 wherever the derivatives exist: each select's condition taken as true and as
     false in turn (a case where ``domain``, the loss, is undefined, such as a fully masked
     row's 0/0, is outside it), then the expanded numerator over one denominator (exact, and
-    10-20x faster than simplify on these sums of exponentials), else sympy's simplify, then
+    10-20x faster than simplify on these sums of exponentials; hyperbolic functions written
+    with exp first), else sympy's simplify, then
     again with sign(u) = u / |u| (true for u != 0; at u = 0 neither |u| nor sqrt(u**2) has
     one)."""
     if domain.has(sp.nan, sp.zoo):
@@ -33,8 +34,16 @@ def is_zero(e: sp.Expr, domain: sp.Expr = sp.S.Zero) -> bool:
     if conditions:  # a select is its branch wherever its condition is fixed
         return all(is_zero(_case(e, conditions[0], holds), _case(domain, conditions[0], holds))
                    for holds in (True, False))
-    return sp.expand(sp.numer(sp.together(e))) == 0 or sp.simplify(e) == 0 or sp.simplify(
+    return _cancels(e) or (e.has(*HYPERBOLIC) and _cancels(e.rewrite(sp.exp))) or \
+        sp.simplify(e) == 0 or sp.simplify(
         e.replace(sp.sign, lambda u: u / sp.Abs(u))) == 0
+
+
+HYPERBOLIC = (sp.tanh, sp.cosh, sp.sinh)  # 1 - tanh(u)**2 and cosh(u)**-2 meet in exp form
+
+
+def _cancels(e: sp.Expr) -> bool:
+    return sp.expand(sp.numer(sp.together(e))) == 0
 
 
 def _case(e: sp.Expr, condition, holds: bool) -> sp.Expr:

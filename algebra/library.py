@@ -46,6 +46,11 @@ LIBRARY: dict[str, tuple[str, str]] = {
                     "MoE router: softmax over experts, then the top-8 probabilities and ids"),
     "greedy_token": (_SOFTMAX + "p = max(exp(x[i] - m) / d)\ntoken = argmax(x[i])",
                      "greedy decoding: the most likely token and its probability"),
+    "linear_cross_entropy": ("s = dot(h, w[i, :])\nm = max(s)\nlse = log(sum(exp(s - m))) + m\n"
+                             "loss = lse - sum(where(i == label, s, 0))",
+                             "the LM head and its loss against a label index, without the "
+                             "rows x V logits: the vocabulary is the stream, the head's rows "
+                             "w[i, :] its elements"),
     "softmax_entropy": ("m = max(x[i])\nd = sum(exp((x[i] - m) / T))\n"
                         "h = log(d) - sum((x[i] - m) / T * exp((x[i] - m) / T)) / d",
                         "temperature softmax and its entropy (a rank-2 re-anchoring)"),
@@ -122,6 +127,9 @@ def example_inputs(name: str, n: int = 64, rows: tuple = (4,), d: int = 16, seed
         if name == "causal_attention":  # query l sits at position l (torch's is_causal)
             out["pos"] = np.arange(rows[-1], dtype=np.float32).reshape(1, rows[-1])
         return out
+    if name == "linear_cross_entropy":  # label: an index into the vocabulary, as a float
+        return {"h": normal(*rows, d), "w": normal(n, d) / d ** 0.5,
+                "label": g.integers(0, max(n, 1), rows).astype(np.float32)}
     extra = {
         "layernorm": lambda: {"g": normal(*rows, n), "b": normal(*rows, n), "eps": 1e-5},
         "rmsnorm": lambda: {"g": normal(n), "eps": 1e-5},

@@ -58,6 +58,12 @@ class _SpecPrinter(StrPrinter):
     def _print_Not(self, expr):
         return f"(not {self._print(expr.args[0])})"
 
+    def _print_Equality(self, expr):  # sympy's own prints Eq(a, b)
+        return f"{self._print(expr.args[0])} == {self._print(expr.args[1])}"
+
+    def _print_Unequality(self, expr):
+        return f"{self._print(expr.args[0])} != {self._print(expr.args[1])}"
+
     def _print_Exp1(self, expr):
         return "exp(1)"
 

@@ -66,7 +66,7 @@ class CascadeOp:
 
     def __call__(self, *args, **kwargs) -> tuple[torch.Tensor, ...]:
         """The declared outputs (the torch op may return saved results after them)."""
-        return self.torch_op(*args, **kwargs)[:len(self.outputs)]
+        return _as_tuple(self.torch_op(*args, **kwargs))[:len(self.outputs)]
 
 
 def op(spec_or_rule: FusionRule | str, name: str | None = None,
@@ -137,9 +137,19 @@ def _input_order(rule: FusionRule) -> tuple[str, ...]:
 
 
 def _schema(inputs: tuple[str, ...], outputs: tuple[str, ...], scalars: set[str]) -> str:
+    """torch's schema: a lone output is a Tensor (``(Tensor)`` means the same), so the op
+    returns it bare (``_packed``) and callers read a tuple (``_as_tuple``)."""
     args = ", ".join(f"{'float' if n in scalars else 'Tensor'} {n}" for n in inputs)
     outs = ", ".join("Tensor" for _ in outputs)
     return f"({args}) -> ({outs})"
+
+
+def _packed(outputs: tuple) -> tuple | torch.Tensor:
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _as_tuple(result) -> tuple:
+    return (result,) if isinstance(result, torch.Tensor) else tuple(result)
 
 
 def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], outputs: tuple[str, ...],
@@ -153,14 +163,14 @@ def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], outputs: tuple
         out = {n: torch.empty(shape, dtype=dtype)
                for n, (shape, dtype) in output_specs(kernel.rule, values).items()}
         kernel(**values, out=out)  # TVM writes these tensors in place
-        return tuple(out[n] for n in outputs)
+        return _packed(tuple(out[n] for n in outputs))
 
     def fake(*args):
         values = dict(zip(inputs, args, strict=True))
         device = next(v.device for v in values.values() if isinstance(v, torch.Tensor))
         specs = output_specs(kernel.rule, values)
-        return tuple(torch.empty(specs[n][0], dtype=specs[n][1], device=device)
-                     for n in outputs)
+        return _packed(tuple(torch.empty(specs[n][0], dtype=specs[n][1], device=device)
+                             for n in outputs))
 
     torch_op = torch.library.custom_op(f"{NAMESPACE}::{name}", real, mutates_args=(),
                                        schema=schema)
@@ -176,38 +186,42 @@ TORCH_FUNCS = {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "Abs": to
 
 @dataclass(frozen=True)
 class Gradient:
-    """An op's derived backward: the algebra's ``Backward`` and how it runs, the backward
-    cascade's own op (``<name>_backward``), or, for a backward with no sum (a map of the
-    saved values, ``Backward.is_map``), torch's elementwise ops (``maps``: gradient name ->
-    (function, its arguments as (name, per element?)), made once at registration)."""
+    """An op's derived backward: the algebra's ``Backward`` and how it runs: the backward
+    cascade's own op (``<name>_backward``; None where it has no sum, ``Backward.is_map``),
+    torch's elementwise ops for the maps (``maps``: gradient name -> (function, its
+    arguments as (name, taken as it is?)), made once at registration), and the other
+    orientation's op (``<name>_backward_columns``)."""
 
     derived: Backward
     op: CascadeOp | None
     maps: dict = dataclasses.field(default_factory=dict)
     columns: CascadeOp | None = None  # gradients summed over the rows (``torch_columns``)
 
-    @classmethod
-    def of_map(cls, derived: Backward) -> Gradient:
+    @staticmethod
+    def maps_of(derived: Backward) -> dict:
+        """Each map as a torch function of its arguments, per element or per row."""
         streams = {s.name for s in derived.forward.streams}
         streams |= {g for o, g in derived.upstream.items() if o in derived.forward.elementwise}
         maps = {}
         for name, expr in derived.maps.items():
             args = sorted(expr.free_symbols, key=lambda s: s.name)
+            per_row = not any(a.name in streams for a in args)  # no stream axis to add
             maps[name] = (sp.lambdify(args, expr, modules=[TORCH_FUNCS]),
-                          tuple((a.name, a.name in streams) for a in args))
-        return cls(derived, None, maps)
+                          tuple((a.name, per_row or a.name in streams) for a in args))
+        return maps
 
     def run(self, values: dict, needed: set[str]) -> dict:
-        """Gradient name -> tensor, from the backward's inputs by name; a map computes the
-        ``needed`` gradients only (a kernel writes all of its outputs in its one pass)."""
+        """Gradient name -> tensor, from the backward's inputs by name: the backward
+        cascade's kernel (all of its outputs in its one pass), the ``needed`` maps it does
+        not hold, and the other orientation's kernel where a gradient needs it."""
         for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
             values[delta] = (values[up] * values[o]).sum(-1)
+        out = {}
         if self.op is not None:
             out = dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
                            strict=True))
-        else:
-            out = {name: f(*(_per_element(values[a], stream) for a, stream in args))
-                   for name, (f, args) in self.maps.items() if name in needed}
+        out |= {name: f(*(_per_element(values[a], as_is) for a, as_is in args))
+                for name, (f, args) in self.maps.items() if name in needed - set(out)}
         if self.columns is not None and needed & set(self.columns.outputs):
             shapes = self.derived.forward.shapes
             rows = next(tuple(values[s].shape) for s in self.derived.saved
@@ -235,16 +249,17 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
         return str(e)
     if not derived.proven:
         return "its backward did not prove (redfuser derive --backward shows the proof)"
+    if any(e.has(Dot) for e in derived.maps.values()):
+        return "its per-element gradients are maps with dot products, which no torch " \
+               "function runs here yet"
     columns = op(derived.columns, f"{name}_backward_columns", differentiable=False,
                  **options) if derived.columns else None
-    if derived.is_map:
-        if derived.columns and any(e.has(Dot) for e in derived.maps.values()):
-            return "its per-element gradients are maps with dot products, which no torch " \
-                   "function runs here yet"
-        return dataclasses.replace(Gradient.of_map(derived), columns=columns)
-    grad_scalars = tuple(s for s in scalars if s in derived.spec)
-    return Gradient(derived, op(derived.spec, f"{name}_backward", grad_scalars,
-                                differentiable=False, **options), columns=columns)
+    kernel = None
+    if not derived.is_map:
+        grad_scalars = tuple(s for s in scalars if s in derived.spec)
+        kernel = op(derived.spec, f"{name}_backward", grad_scalars, differentiable=False,
+                    **options)
+    return Gradient(derived, kernel, Gradient.maps_of(derived), columns)
 
 
 def _register_autograd(torch_op, name: str, inputs: tuple[str, ...],
@@ -265,6 +280,7 @@ def _save_for_backward(upstream: dict | None, returned: tuple, ctx, inputs: tupl
     not differentiate (``upstream``: those it does) carry no gradient."""
     ctx.tensor_inputs = tuple(isinstance(v, torch.Tensor) for v in inputs)
     ctx.scalars = tuple(v for v in inputs if not isinstance(v, torch.Tensor))
+    output = _as_tuple(output)
     ctx.save_for_backward(*(v for v in inputs if isinstance(v, torch.Tensor)), *output)
     if upstream is not None:
         ctx.mark_non_differentiable(*(t for n, t in zip(returned, output, strict=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sympy as sp
 
 from algebra.cascade import INDEX
+from algebra.functions import Dot
 from algebra.stash import tile_anchor
 
 from ..tvm.ir import T, tirx
@@ -66,14 +67,15 @@ class OutputSteps:
         strided threads); ``reads``: symbols standing for a buffer's value at the element,
         ``known``: symbols with per-row values."""
         expr, hoisted = self._per_row(expr, r, frozenset(s.name for s in reads), known)
-        width = buf.shape[2]
+        width, dots = buf.shape[2], sorted(expr.atoms(Dot), key=str)
 
         def store(i, slot):
             values = {s: b[r, i, slot] for s, b in reads.items()}
+            values |= {d: T.bind(self._dot(d, r, i)) for d in dots}  # a loop over D each
             look = self.base_lookup(r, i, slot, {**hoisted, **values})
             T.buffer_store(buf, self.expr(expr, look), [r, i, slot])
 
-        vector = self.simd
+        vector = 1 if dots else self.simd  # a dot's own loop cannot sit in a vector lane
         if vector > 1 and width == 1 and step == 1 and (not self.geo.static or
                                                         hi - lo >= vector):
             full = lo + (hi - lo) // vector * vector

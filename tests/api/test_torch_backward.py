@@ -178,3 +178,62 @@ def test_attention_gradients_match_torch_autograd(name, length, compiled):
                          name == "causal_attention").backward(upstream.double())
     _assert_gradients_match({n: leaves[n].grad for n in "qkv"},
                             {n: ref[n].grad for n in "qkv"}, name)
+
+
+# linear_cross_entropy with the statistics users ask fused kernels for, as lines of the spec:
+# label smoothing ls, z-loss zc * lse**2, ignored rows (label < 0), the argmax for accuracy
+LCE_STATISTICS = ("s = dot(h, w[i, :])\nm = max(s)\nlse = log(sum(exp(s - m))) + m\n"
+                  "nll = lse - (1 - ls) * sum(where(i == label, s, 0)) - ls * sum(s) / N\n"
+                  "loss = where(label >= 0, nll + zc * lse**2, 0)\npred = argmax(s)")
+
+
+def _lce_reference(h, w, label, ls: float, zc: float):
+    """torch's float64 loss of the spec above (plain cross-entropy at ls = zc = 0)."""
+    logits = h @ w.T
+    lse = torch.logsumexp(logits, -1)
+    picked = logits.gather(-1, label.clamp(min=0)[:, None])[:, 0]
+    nll = lse - (1 - ls) * picked - ls * logits.mean(-1)
+    return torch.where(label >= 0, nll + zc * lse ** 2, torch.zeros_like(nll)), logits
+
+
+@pytest.mark.parametrize("statistics", [False, True])
+def test_linear_cross_entropy_gradients_match_torch_autograd(statistics):
+    """dh (the rows' orientation) and dw (the vocabulary rows' kernel, the batch rows as its
+    stream) against torch's autograd of F.cross_entropy(h @ w.T) in float64; with the
+    statistics, a row with an ignored label gets no gradient and pred is torch's argmax."""
+    g = torch.Generator().manual_seed(3)
+    rows, vocab, d = 6, 50, 8
+    h, w = torch.randn(rows, d, generator=g), torch.randn(vocab, d, generator=g) / 3
+    label = torch.randint(0, vocab, (rows,), generator=g)
+    ls, zc = (0.1, 1e-2) if statistics else (0.0, 0.0)
+    if statistics:
+        label[2] = -100  # an ignored row
+        op = rt.op(LCE_STATISTICS, name="lce_statistics", scalars=("ls", "zc"), tune=False)
+    else:
+        op = rt.op("linear_cross_entropy", tune=False)
+    leaves = {"h": h.clone().requires_grad_(), "w": w.clone().requires_grad_(),
+              "label": label.float(), "ls": ls, "zc": zc}
+    out = dict(zip(op.outputs, op(*(leaves[n] for n in op.inputs)), strict=True))
+    upstream = torch.randn(rows, generator=g)
+    out["loss"].backward(upstream)
+    ref = {"h": h.double().requires_grad_(), "w": w.double().requires_grad_()}
+    loss, logits = _lce_reference(ref["h"], ref["w"], label, ls, zc)
+    loss.backward(upstream.double())
+    torch.testing.assert_close(out["loss"].double(), loss, rtol=1e-5, atol=1e-5)
+    _assert_gradients_match({n: leaves[n].grad for n in "hw"}, {n: ref[n].grad for n in "hw"},
+                            "linear_cross_entropy")
+    if statistics:
+        assert (leaves["h"].grad[2] == 0).all()
+        assert out["pred"].long().tolist() == logits.argmax(-1).tolist()
+
+
+def test_an_op_with_one_output_returns_it_and_differentiates():
+    """torch's schema makes a lone output a bare Tensor: the op still reads as a tuple and
+    its backward runs (a one-output backward cascade, linear_cross_entropy's dh, hit this)."""
+    op = rt.op("r = sum(x[i] * x[i])", name="sum_of_squares", tune=False)
+    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    (r,) = op(x)
+    upstream = torch.tensor([1.0, -2.0, 0.5])
+    r.backward(upstream)
+    torch.testing.assert_close(r, (x * x).sum(-1).detach())
+    torch.testing.assert_close(x.grad, 2 * x.detach() * upstream[:, None])

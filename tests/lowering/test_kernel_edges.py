@@ -212,3 +212,18 @@ def test_relax_report_names_every_reduction_it_meets():
     kinds = {g.ops[0].split()[0]: g for g in report.groups}
     assert set(kinds) == {"group_norm", "instance_norm", "batch_norm", "attention", "softmax"}
     assert report.fused == 5 and "batch_norm" in str(report)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_per_element_output_may_read_a_dot_product(variant):
+    """y[i] = dot(a, w[i, :]) * r: each element's dot over D (rmsnorm_gemm's dx reads
+    dot(dy, w[i, :])); this crashed the lowering with an AttributeError."""
+    spec = "r = sum(x[i])\ny[i] = dot(a, w[i, :]) * r + x[i]"
+    g = np.random.default_rng(0)
+    inputs = {"x": g.normal(size=(3, 37)).astype(np.float32),
+              "a": g.normal(size=(3, 5)).astype(np.float32),
+              "w": g.normal(size=(37, 5)).astype(np.float32)}
+    got = redfuser.compile(spec, variant=variant, tune=False)(**inputs)
+    want = redfuser.reference(spec, {k: v.astype(np.float64) for k, v in inputs.items()})
+    for name in want:
+        assert_matches(got[name], want[name], KERNEL_TOL, KERNEL_TOL, name)
