@@ -4,12 +4,13 @@
 
 For each workload, one training step (forward, then ``backward`` of a random upstream
 gradient into every input that requires grad) with the redfuser op (its derived, proven
-backward: ``algebra.backward``) and with torch eager (``--compile``: also
-``torch.compile``), float32 on the CPU.  Each (workload, implementation) runs in a process
-of its own, so that TVM's thread pool never shares a process with torch's and each peak
-is the process's own: the median step time of ``repeat`` steps after two warm-up steps,
-and the peak memory the steps add to what the inputs hold (Linux's high-water mark of the
-resident set, reset after the warm-up: ``/proc/self/clear_refs``).  Ratios are printed
+backward: ``algebra.backward``) and with torch eager (attention: SDPA, whichever CPU
+backend torch picks; ``--compile``: also ``torch.compile``), float32 on the CPU.  Each
+(workload, implementation) runs in a process of its own, so that TVM's thread pool never
+shares a process with torch's and each peak is the process's own: the median step time
+of ``repeat`` steps after two warm-up steps, and the peak memory the steps add to what the
+inputs hold (Linux's high-water mark of the resident set, reset after the warm-up:
+``/proc/self/clear_refs``).  Ratios are printed
 from this one run (the machines are shared and noisy).
 """
 
@@ -34,6 +35,19 @@ WORKLOADS = {
                                            "eps": ("scalar", 1e-5), "g": ("weight", (4096,))}),
     "cross_entropy 4096x32000": ("cross_entropy", "loss", {"x": ("normal", (4096, 32000)),
                                                            "t": ("onehot", (4096, 32000))}),
+    "attention 8x1024x1024 D64": ("attention", "o", {"q": ("normal", (8, 1024, 64)),
+                                                     "k": ("normal", (8, 1, 1024, 64)),
+                                                     "scale": ("scalar", 0.125),
+                                                     "v": ("normal", (8, 1, 1024, 64))}),
+    "causal 8x1024x1024 D64": ("causal_attention", "o", {"pos": ("positions", (1, 1024)),
+                                                         "q": ("normal", (8, 1024, 64)),
+                                                         "k": ("normal", (8, 1, 1024, 64)),
+                                                         "scale": ("scalar", 0.125),
+                                                         "v": ("normal", (8, 1, 1024, 64))}),
+    "linear_ce 4096x2048->32000": ("linear_cross_entropy", "loss",
+                                   {"h": ("normal", (4096, 2048)),
+                                    "w": ("head", (32000, 2048)),
+                                    "label": ("labels", (4096, 32000))}),
 }
 IMPLS = ("redfuser", "torch", "torch.compile")
 
@@ -49,6 +63,13 @@ def _inputs(torch, spec: dict, scale: float) -> dict:
         if kind == "onehot":
             labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
             out[name] = torch.nn.functional.one_hot(labels, shape[-1]).float()
+        elif kind == "labels":  # rows x classes: a class index per row, as a float
+            out[name] = torch.randint(0, shape[-1], shape[:-1], generator=g).float()
+        elif kind == "positions":  # query l at position l (causal)
+            out[name] = torch.arange(shape[-1], dtype=torch.float32).reshape(shape)
+        elif kind == "head":  # an LM head: logits of order 1
+            out[name] = (torch.randn(shape, generator=g) / math.sqrt(shape[-1])) \
+                .requires_grad_()
         elif kind == "weight":
             out[name] = (torch.rand(shape, generator=g) + 0.5).requires_grad_()
         else:
@@ -63,6 +84,12 @@ def _torch_fn(torch, op: str):
         "layernorm": lambda x, eps, g, b: F.layer_norm(x, (x.shape[-1],), g, b, eps),
         "rmsnorm": lambda x, eps, g: F.rms_norm(x, (x.shape[-1],), g, eps),
         "cross_entropy": lambda x, t: F.cross_entropy(x, t.argmax(-1), reduction="none"),
+        "attention": lambda q, k, scale, v: F.scaled_dot_product_attention(
+            q, k[:, 0], v[:, 0], scale=scale),
+        "causal_attention": lambda pos, q, k, scale, v: F.scaled_dot_product_attention(
+            q, k[:, 0], v[:, 0], is_causal=True, scale=scale),
+        "linear_cross_entropy": lambda h, w, label: F.cross_entropy(h @ w.T, label.long(),
+                                                                    reduction="none"),
     }[op]
 
 
@@ -129,13 +156,15 @@ def _in_subprocess(workload: str, impl: str, scale: float, repeat: int) -> dict 
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(scale: float, repeat: int, with_compile: bool) -> None:
+def run(scale: float, repeat: int, with_compile: bool, only: list[str] | None = None) -> None:
     impls = IMPLS if with_compile else IMPLS[:2]
     print(f"training step (forward + backward), float32, CPU, scale {scale}; median of "
           f"{repeat}; peak = memory the step adds to its inputs", flush=True)
     head = "".join(f"{i + ' ms':>16}{i + ' MB':>16}" for i in impls)
     print(f"{'workload':<26}{head}{'vs torch':>10}{'mem ratio':>11}", flush=True)
     for workload in WORKLOADS:
+        if only and not any(o in workload for o in only):
+            continue
         results = {i: _in_subprocess(workload, i, scale, repeat) for i in impls}
         cells = "".join(f"{r['ms']:>16.2f}{r['peak_mb']:>16.1f}" if isinstance(r, dict)
                         else f"{'error':>32}" for r in results.values())
@@ -155,12 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=1.0, help="element-count scale (1: full)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="also time torch.compile")
+    p.add_argument("--only", nargs="*", default=None, help="workloads whose name contains one")
     p.add_argument("--case", nargs=2, metavar=("WORKLOAD", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
         print(json.dumps(case(*args.case, args.scale, args.repeat)))
         return 0
-    run(args.scale, args.repeat, args.compile)
+    run(args.scale, args.repeat, args.compile, args.only)
     return 0
 
 

@@ -29,7 +29,7 @@ from tests.support import cascade_inputs, cascades, examples, rule_for
 
 PROVEN = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "layernorm", "rmsnorm",
           "l2_normalize", "variance", "softmax_moments", "attention", "causal_attention",
-          "rmsnorm_gemm", "softmin_average")
+          "rmsnorm_gemm", "softmin_average", "linear_cross_entropy")
 # library cascade -> the start of the reason its backward is refused
 REFUSED = {
     "moe_routing": "p = topk(...) selects elements",

@@ -291,6 +291,8 @@ def library_inputs(name: str, rng: np.random.Generator, rows: tuple, n: int, d: 
         return {"x": f(*rows, n), "w": f(n, d), "eps": 1e-6}
     if name == "softmax_entropy":
         return {"x": f(*rows, n), "T": 1.5}
+    if name == "linear_cross_entropy":  # label -1: a row no class is picked in
+        return {"h": f(*rows, d), "w": f(n, d), "label": rng.integers(-1, n, rows).astype(F32)}
     if name == "softmin_average":
         return {"x": f(*rows, n), "v": f(*rows, n, d)}
     if name in ("relu_sum", "threshold_mass"):  # a threshold that selects some elements

@@ -38,6 +38,11 @@ def library_inputs(name: str, n: int = 77, rows=(5,)) -> dict:
         "relu_sum": dict(t=1.0),
         "threshold_mass": dict(t=0.5 / n),
     }
+    if name == "linear_cross_entropy":  # a tie at the label's logit, a label no row has
+        w = rng.normal(size=(n, 8)).astype(np.float32)
+        w[3] = w[0]
+        return dict(h=rng.normal(size=(*rows, 8)).astype(np.float32), w=w,
+                    label=np.array([0, 3, n - 1, -1, 5][:rows[0]], np.float32))
     if name == "attention":
         return dict(q=rng.normal(size=(2, 3, 8)).astype(np.float32),
                     k=rng.normal(size=(2, 1, n, 8)).astype(np.float32),
