@@ -227,8 +227,19 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
 
 
 def _tidy(e: sp.Expr) -> sp.Expr:
-    return e.replace(lambda x: isinstance(x, RowSum), lambda x: RowSum(sp.factor_terms(
-        sp.simplify(x.args[0])))) if e.has(RowSum) else sp.factor_terms(sp.simplify(e))
+    """Simplified again, and the selects of one condition gathered into one (a masked
+    attention's dq: one ``where(i <= pos, ..., 0)`` around the term, not one per factor)."""
+    if e.has(RowSum):
+        return e.replace(lambda x: isinstance(x, RowSum), lambda x: RowSum(_tidy(x.args[0])))
+    e = sp.factor_terms(sp.simplify(e))
+    conditions = {w.args[0] for w in e.atoms(Where)}
+    if len(conditions) != 1:
+        return e
+    (c,) = conditions
+    taken, other = (sp.factor_terms(sp.simplify(e.replace(
+        lambda w: isinstance(w, Where) and w.args[0] == c, lambda w: w.args[k])))
+        for k in (1, 2))
+    return Where(c, taken, other)
 
 
 def _column_spec(c: Cascade, sw: _Sweep, up, dots, columns) -> tuple[str, dict[str, str]]:
