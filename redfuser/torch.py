@@ -31,6 +31,7 @@ Import this module explicitly (``import redfuser.torch``): it loads torch, which
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from dataclasses import dataclass
 from functools import partial
@@ -109,7 +110,25 @@ def op(spec_or_rule: FusionRule | str, name: str | None = None,
     torch_op = _register(name, kernel, inputs, returned, schema)
     _register_autograd(torch_op, name, inputs, returned, grad)
     _REGISTERED[name] = CascadeOp(name, kernel, inputs, outputs, torch_op, rule.cascade.text)
+    _tag_compile_caches(grad)
     return _REGISTERED[name]
+
+
+_USER_TAG = torch.compiler.config.cache_key_tag
+_DERIVED: list[str] = []
+
+
+def _tag_compile_caches(grad) -> None:
+    """torch.compile's on-disk caches key a graph by the ops it calls, not by what their
+    registered backward does: a graph cached by another redfuser version (another backward
+    spec, other arguments) would be reused.  The digest of every backward registered here
+    joins the cache key (``torch.compiler.config.cache_key_tag``, after the user's own tag).
+    Seen: a cached graph passing ``scale`` where the backward now expected ``delta``."""
+    if isinstance(grad, Gradient):
+        _DERIVED.append("\n".join((grad.derived.forward_spec, grad.derived.spec,
+                                    grad.derived.columns)))
+    digest = hashlib.sha1("\0".join(sorted(_DERIVED)).encode()).hexdigest()[:12]
+    torch.compiler.config.cache_key_tag = f"{_USER_TAG}redfuser-{digest}"
 
 
 def _op_name(rule: FusionRule, name: str | None) -> str:

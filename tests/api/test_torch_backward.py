@@ -237,3 +237,13 @@ def test_an_op_with_one_output_returns_it_and_differentiates():
     r.backward(upstream)
     torch.testing.assert_close(r, (x * x).sum(-1).detach())
     torch.testing.assert_close(x.grad, 2 * x.detach() * upstream[:, None])
+
+
+def test_compile_caches_are_keyed_by_the_derived_backwards():
+    """A graph torch.compile cached on disk with another version's backward (other
+    arguments) must never be reused: registering a differentiable op changes the cache key
+    tag, after the user's own tag."""
+    before = torch.compiler.config.cache_key_tag
+    rt.op("r = sum(exp(x[i]) * x[i])", name="tagged_sum", tune=False)
+    after = torch.compiler.config.cache_key_tag
+    assert after != before and after.startswith(rt._USER_TAG + "redfuser-")
