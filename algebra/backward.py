@@ -237,7 +237,7 @@ def _tidy(e: sp.Expr) -> sp.Expr:
         return e
     (c,) = conditions
     taken, other = (sp.factor_terms(sp.simplify(e.replace(
-        lambda w: isinstance(w, Where) and w.args[0] == c, lambda w: w.args[k])))
+        lambda w: isinstance(w, Where) and w.args[0] == c, lambda w, k=k: w.args[k])))
         for k in (1, 2))
     return Where(c, taken, other)
 

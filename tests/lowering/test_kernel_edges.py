@@ -15,6 +15,8 @@ from tvm import te, topi
 
 import redfuser
 from algebra.library import example_inputs
+from redfuser.lowering.cpu.plan import LANES
+from redfuser.lowering.cpu.tiles import FEATURE_CHUNKS
 from redfuser.relax import fuse_module
 from redfuser.tensorir.rewrite import run_cpu
 from redfuser.tvm.graph import relax
@@ -227,3 +229,18 @@ def test_a_per_element_output_may_read_a_dot_product(variant):
     want = redfuser.reference(spec, {k: v.astype(np.float64) for k, v in inputs.items()})
     for name in want:
         assert_matches(got[name], want[name], KERNEL_TOL, KERNEL_TOL, name)
+
+
+@pytest.mark.parametrize("name", ["linear_cross_entropy", "attention"])
+def test_dots_along_the_feature_axis_match_the_oracle(name):
+    """At D >= FEATURE_CHUNKS vectors the tile's dot products run along the features (rows x
+    group register sums, then a horizontal tree): blocks of rows with a tail block, tiles
+    with a tail, against the float64 oracle."""
+    d = FEATURE_CHUNKS * LANES
+    inputs = example_inputs(name, n=301, rows=(37,) if name != "attention" else (2, 19), d=d)
+    kernel = redfuser.compile(name, tune=False)
+    got = kernel(**inputs)
+    assert "blocks of" in str(kernel.plan)
+    want = redfuser.reference(name, {k: np.asarray(v, np.float64) for k, v in inputs.items()})
+    for out in want:
+        assert_matches(got[out], want[out], KERNEL_TOL, KERNEL_TOL, out)

@@ -28,7 +28,10 @@ from ..emitter import Emitter, folded
 from ..invariants import split_invariant
 from ..registers import Const0, States
 from ..signature import F32
-from .plan import LANES
+from .plan import ISA, LANES
+
+FEATURE_CHUNKS = 8  # D / LANES from which dots run along the features (tile_dots)
+FEATURE_GROUPS = (4, 2, 1)  # elements a step of those dots covers, most first
 
 
 def levels(rule: FusionRule, components) -> list[list]:
@@ -200,7 +203,11 @@ def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
     if not found:
         return [None] * len(rows)
     caches = [T.alloc_buffer((len(found), count), F32, scope=em.scratch) for _ in rows]
+    group = _feature_group(em, len(rows), count)
     for j, dot in enumerate(found):
+        if group:
+            _dots_along_features(em, caches, rows, base, count, j, dot, group)
+            continue
         # the tile's elements in the vector lanes, the feature axis outermost: no horizontal
         # sums, and each (strided) load of the stream serves every row of the block
         with T.vectorized(0, count) as k:
@@ -214,6 +221,45 @@ def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
                                    em.expr(dot.args[1], look), [j, k])
     return [lambda k, cache=cache: {dot: cache[j, k] for j, dot in enumerate(found)}
             for cache in caches]
+
+
+def _feature_group(em: Emitter, rows: int, count: int) -> int:
+    """Elements whose dot products run together along the feature axis (0: keep the tile's
+    elements in the lanes).  Along the features every load is contiguous (the other way
+    reads the stream's column: a gather per vector), but each (row, element) sum ends in a
+    horizontal add, so it pays where D spans at least FEATURE_CHUNKS vectors; the group's
+    sums (rows x group vectors, one panel vector each and a broadcast) must fit the
+    registers."""
+    if em.geo.d % LANES or em.geo.d // LANES < FEATURE_CHUNKS:
+        return 0
+    return next((g for g in FEATURE_GROUPS if count % g == 0 and ISA.fits(rows, g * LANES)),
+                0)
+
+
+def _dots_along_features(em: Emitter, caches, rows, base, count: int, j: int, dot,
+                         group: int):
+    """cache[j, k] = dot at element base + k for every row: ``group`` elements at a time,
+    LANES features per step into rows x group register sums, then one horizontal sum each
+    (a pairwise tree: the same order every run)."""
+    acc = T.alloc_buffer((len(rows), group, LANES), F32, scope="local")
+    with T.serial(0, count // group) as g:
+        for ri in range(len(rows)):
+            with T.unroll(0, group) as e:
+                with T.vectorized(0, LANES) as lane:
+                    T.buffer_store(acc, tirx.const(0.0, F32), [ri, e, lane])
+        with T.serial(0, em.geo.d // LANES) as chunk:
+            with T.unroll(0, group) as e:
+                with T.vectorized(0, LANES) as lane:
+                    for ri, r in enumerate(rows):
+                        look = em.base_lookup(r, base + g * group + e, chunk * LANES + lane)
+                        T.buffer_store(acc, acc[ri, e, lane] + em.expr(dot.args[0], look) *
+                                       em.expr(dot.args[1], look), [ri, e, lane])
+        for ri, cache in enumerate(caches):
+            with T.unroll(0, group) as e:
+                parts = [acc[ri, e, lane] for lane in range(LANES)]
+                while len(parts) > 1:
+                    parts = [a + b for a, b in zip(parts[::2], parts[1::2], strict=True)]
+                T.buffer_store(cache, parts[0], [j, g * group + e])
 
 
 def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots,
