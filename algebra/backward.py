@@ -55,7 +55,7 @@ from .adjoint import (
     symbols_of,
 )
 from .backward_proof import prove
-from .backward_vectors import ROLES, column_text, contracted, solved_hidden
+from .backward_vectors import ROLES, column_text, contracted, solved_hidden, tidied
 from .cascade import POSITION, Cascade
 from .errors import NoBackward
 from .functions import Where
@@ -196,53 +196,43 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
     sw = _Sweep(c, symbols_of(c), taken)
     stabilisers = _sweep(sw, seeds, up)
     streams, params, columns, refused = _input_gradients(sw, up)
-    if dots:  # simplified again: delta stands for what the sweep wrote in two pieces
-        sw.lines = [(g, _tidy(solved_hidden(forward, dots, e))) for g, e in sw.lines]
-        streams = [(s, g, _tidy(solved_hidden(forward, dots, e))) for s, g, e in streams]
-        columns = [(s, g, _tidy(solved_hidden(forward, dots, e))) for s, g, e in columns]
-    spec = _spec_text(c, sw, up, streams)
+    if dots:
+        sw.lines = [(g, tidied(solved_hidden(forward, dots, e))) for g, e in sw.lines]
+        streams = [(s, g, tidied(solved_hidden(forward, dots, e))) for s, g, e in streams]
+        columns = [(s, g, tidied(solved_hidden(forward, dots, e))) for s, g, e in columns]
     proofs = prove(forward, sw.sym, sw.lines, up, dots, stabilisers, streams, params, columns)
+    column_spec, column_params = _column_spec(c, sw, dots, columns)
     exprs = [e for _, e in sw.lines] + [e for _, _, e in (*streams, *columns)]
     reads = {s.name for e in exprs for s in e.free_symbols}
     dots = {o: (d, delta) for o, (d, delta) in dots.items() if delta.name in reads}
-    reads |= set(dots)
-    saved = sorted(reads & set(results_in_order(c)))
-    grads = {s.name: (g, "per element: a stream of each row, row-parallel")
-             for s, g, _ in streams}
-    grads |= {p: (g, "per row: a sum over the row's stream") for p, g in params.items()}
-    grads |= {s.name: (g, "per element of a stream the rows share: a sum over the rows, in "
-                          "the other orientation (the rows are its stream)")
-              for s, g, _ in columns}
-    column_spec, column_params = _column_spec(c, sw, up, dots, columns)
-    hidden = set(saved) - set(c.outputs)
-    forward_spec = written(forward) if hidden else forward.text
-    return Backward(forward, spec, {o: s.name for o, s in up.items()}, grads, tuple(saved),
-                    forward_spec, tuple(stabilisers), refused, proofs,
-                    {g: spelled(e) for g, e in [*((g, e) for _, g, e in streams),
-                                                 *((g, e) for g, e in sw.lines
-                                                   if g in params.values() and
-                                                   not e.has(RowSum))]},
+    saved = sorted((reads | set(dots)) & set(results_in_order(c)))
+    forward_spec = written(forward) if set(saved) - set(c.outputs) else forward.text
+    return Backward(forward, _spec_text(c, sw, up, streams), {o: s.name for o, s in up.items()},
+                    _described(streams, params, columns), tuple(saved), forward_spec,
+                    tuple(stabilisers), refused, proofs, _maps(sw, streams, params),
                     column_spec, column_params,
                     {delta.name: (d.name, o) for o, (d, delta) in dots.items()})
 
 
-def _tidy(e: sp.Expr) -> sp.Expr:
-    """Simplified again, and the selects of one condition gathered into one (a masked
-    attention's dq: one ``where(i <= pos, ..., 0)`` around the term, not one per factor)."""
-    if e.has(RowSum):
-        return e.replace(lambda x: isinstance(x, RowSum), lambda x: RowSum(_tidy(x.args[0])))
-    e = sp.factor_terms(sp.simplify(e))
-    conditions = {w.args[0] for w in e.atoms(Where)}
-    if len(conditions) != 1:
-        return e
-    (c,) = conditions
-    taken, other = (sp.factor_terms(sp.simplify(e.replace(
-        lambda w: isinstance(w, Where) and w.args[0] == c, lambda w, k=k: w.args[k])))
-        for k in (1, 2))
-    return Where(c, taken, other)
+def _described(streams, params: dict[str, str], columns) -> dict[str, tuple[str, str]]:
+    """Each input -> (its gradient's name, the orientation it is computed in)."""
+    grads = {s.name: (g, "per element: a stream of each row, row-parallel")
+             for s, g, _ in streams}
+    grads |= {p: (g, "per row: a sum over the row's stream") for p, g in params.items()}
+    return grads | {s.name: (g, "per element of a stream the rows share: a sum over the rows, "
+                                "in the other orientation (the rows are its stream)")
+                    for s, g, _ in columns}
 
 
-def _column_spec(c: Cascade, sw: _Sweep, up, dots, columns) -> tuple[str, dict[str, str]]:
+def _maps(sw: _Sweep, streams, params: dict[str, str]) -> dict[str, sp.Expr]:
+    """The gradients the caller may compute itself: each stream's per-element form, and
+    each parameter's with no sum (a map of per-row values: d eps)."""
+    out = {g: spelled(e) for _, g, e in streams}
+    return out | {g: spelled(e) for g, e in sw.lines
+                  if g in params.values() and not e.has(RowSum)}
+
+
+def _column_spec(c: Cascade, sw: _Sweep, dots, columns) -> tuple[str, dict[str, str]]:
     if not columns:
         return "", {}
     shared = {s.name for s in c.streams if s.name in c.vector_inputs}  # keys, values, weights

@@ -35,6 +35,7 @@ import dataclasses
 
 import sympy as sp
 
+from .adjoint import RowSum
 from .cascade import LENGTH, POSITION, Cascade, N, Shape, carries_feature_axis
 from .errors import NoBackward
 from .functions import Dot, Where
@@ -147,6 +148,23 @@ def solved_hidden(c: Cascade, dots: dict, expr: sp.Expr) -> sp.Expr:
                                      f"{o} = {c.epilogues[o]}")
                 expr = expr.xreplace({by_name[s.name]: sol[0]})
     return expr
+
+
+def tidied(e: sp.Expr) -> sp.Expr:
+    """Simplified again once ``delta`` stands for what the sweep wrote in two pieces, and
+    the selects of one condition gathered into one (a masked attention's dq: one
+    ``where(i <= pos, ..., 0)`` around the term, not one per factor)."""
+    if e.has(RowSum):
+        return e.replace(lambda x: isinstance(x, RowSum), lambda x: RowSum(tidied(x.args[0])))
+    e = sp.factor_terms(sp.simplify(e))
+    conditions = {w.args[0] for w in e.atoms(Where)}
+    if len(conditions) != 1:
+        return e
+    (c,) = conditions
+    taken, other = (sp.factor_terms(sp.simplify(e.replace(
+        lambda w: isinstance(w, Where) and w.args[0] == c, lambda w, k=k: w.args[k])))
+        for k in (1, 2))
+    return Where(c, taken, other)
 
 
 ROLES = {"position": "the position i of the forward's stream",

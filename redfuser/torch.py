@@ -242,14 +242,21 @@ class Gradient:
         out |= {name: f(*(_per_element(values[a], as_is) for a, as_is in args))
                 for name, (f, args) in self.maps.items() if name in needed - set(out)}
         if self.columns is not None and needed & set(self.columns.outputs):
-            shapes = self.derived.forward.shapes
-            rows = next(tuple(values[s].shape) for s in self.derived.saved
-                        if not (s in shapes and shapes[s].vec))
-            laid = column_values(self.derived, values | out, self.columns.inputs, rows)
+            laid = column_values(self.derived, values | out, self.columns.inputs,
+                                 _rows(self.derived, values))
             of = {g: n for n, (g, _) in self.derived.gradients.items()}
             out |= {g: t.reshape(values[of[g]].shape) for g, t in
                     zip(self.columns.outputs, self.columns(*laid.values()), strict=True)}
         return out
+
+
+def _rows(derived: Backward, values: dict) -> tuple[int, ...]:
+    """The forward's row shape, from an upstream gradient (less its feature or stream axis
+    where the output has one)."""
+    o, g = next(iter(derived.upstream.items()))
+    shape, forward = tuple(values[g].shape), derived.forward
+    per_element = o in forward.elementwise or (o in forward.shapes and forward.shapes[o].vec)
+    return shape[:-1] if per_element else shape
 
 
 def _per_element(value, stream: bool):
