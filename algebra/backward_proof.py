@@ -21,22 +21,24 @@ PROOF_FEATURES = 2  # symbolic components of each feature vector
 
 def is_zero(e: sp.Expr, domain: sp.Expr = sp.S.Zero) -> bool:
     """e = 0 wherever the derivatives exist: each select's condition taken as true and as
-    false in turn (a case where ``domain``, the loss, is undefined, such as a fully masked
-    row's 0/0, is outside it), then the expanded numerator over one denominator (exact, and
-    10-20x faster than simplify on these sums of exponentials; hyperbolic functions written
-    with exp first), else sympy's simplify, then
-    again with sign(u) = u / |u| (true for u != 0; at u = 0 neither |u| nor sqrt(u**2) has
-    one)."""
-    if domain.has(sp.nan, sp.zoo):
-        return True
+    false in turn (a case in which ``domain``, the loss, becomes undefined, such as a fully
+    masked row's 0/0, is outside it; a loss undefined before any case is taken proves
+    nothing), then the expanded numerator over one denominator (exact, and 10-20x faster
+    than simplify on these sums of exponentials; hyperbolic functions written with exp
+    first), else sympy's simplify, then again with sign(u) = u / |u| (true for u != 0; at
+    u = 0 neither |u| nor sqrt(u**2) has one)."""
     conditions = sorted({w.args[0] for w in (e + domain).atoms(Where)},
                         key=sp.default_sort_key)
     if conditions:  # a select is its branch wherever its condition is fixed
-        return all(is_zero(_case(e, conditions[0], holds), _case(domain, conditions[0], holds))
-                   for holds in (True, False))
+        return all(_zero_in_case(e, domain, conditions[0], holds) for holds in (True, False))
     return _cancels(e) or (e.has(*HYPERBOLIC) and _cancels(e.rewrite(sp.exp))) or \
         sp.simplify(e) == 0 or sp.simplify(
         e.replace(sp.sign, lambda u: u / sp.Abs(u))) == 0
+
+
+def _zero_in_case(e: sp.Expr, domain: sp.Expr, condition, holds: bool) -> bool:
+    domain = _case(domain, condition, holds)
+    return domain.has(sp.nan, sp.zoo) or is_zero(_case(e, condition, holds), domain)
 
 
 HYPERBOLIC = (sp.tanh, sp.cosh, sp.sinh)  # 1 - tanh(u)**2 and cosh(u)**-2 meet in exp form
@@ -168,12 +170,9 @@ class Unrolled:
             if o in self.c.elementwise:
                 out += self.total(d * self.c.elementwise[o])
             else:
-                out += _dot(self.value_of(d), self.env[o]) if o in self._vector_results() \
-                    else d * self.env[o]
+                value = self.env[o]  # a tuple of components for a vector result
+                out += _dot(self.value_of(d), value) if isinstance(value, tuple) else d * value
         return out
-
-    def _vector_results(self) -> set[str]:
-        return {name for name, shape in self.c.shapes.items() if shape.vec}
 
 
 def _part(a, k: int):

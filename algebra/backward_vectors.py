@@ -35,6 +35,7 @@ import dataclasses
 
 import sympy as sp
 
+from . import layout
 from .adjoint import RowSum
 from .cascade import LENGTH, POSITION, Cascade, N, Shape, carries_feature_axis
 from .errors import NoBackward
@@ -46,7 +47,8 @@ NOT_LINEAR = ("vector result {name}: `{expr}` is not linear in one feature vecto
 
 
 def vector_results(c: Cascade) -> set[str]:
-    return {name for name, shape in c.shapes.items() if shape.vec}
+    """The per-row results that carry the feature axis."""
+    return layout.vector_results(c, c.vector_inputs) - set(c.vector_inputs) - set(c.elementwise)
 
 
 def contract(e: sp.Expr, w: sp.Symbol, inputs: set[str], results: set[str],

@@ -40,6 +40,7 @@ import sympy as sp
 import torch
 
 from algebra import Backward, FusionRule, NoBackward, derive
+from algebra.backward_vectors import vector_results
 from algebra.functions import Dot
 
 from .kernel import Kernel
@@ -217,22 +218,23 @@ class Gradient:
     columns: CascadeOp | None = None  # gradients summed over the rows (``torch_columns``)
 
     @staticmethod
-    def maps_of(derived: Backward) -> dict:
-        """Each map as a torch function of its arguments, per element or per row."""
+    def maps_of(derived: Backward, maps: dict) -> dict:
+        """Each of ``maps`` (the ones no kernel computes) as a torch function of its
+        arguments, per element or per row."""
         streams = {s.name for s in derived.forward.streams}
         streams |= {g for o, g in derived.upstream.items() if o in derived.forward.elementwise}
-        maps = {}
-        for name, expr in derived.maps.items():
+        out = {}
+        for name, expr in maps.items():
             args = sorted(expr.free_symbols, key=lambda s: s.name)
             per_row = not any(a.name in streams for a in args)  # no stream axis to add
-            maps[name] = (sp.lambdify(args, expr, modules=[TORCH_FUNCS]),
-                          tuple((a.name, per_row or a.name in streams) for a in args))
-        return maps
+            out[name] = (sp.lambdify(args, expr, modules=[TORCH_FUNCS]),
+                         tuple((a.name, per_row or a.name in streams) for a in args))
+        return out
 
     def run(self, values: dict, needed: set[str]) -> dict:
         """Gradient name -> tensor, from the backward's inputs by name: the backward
-        cascade's kernel (all of its outputs in its one pass), the ``needed`` maps it does
-        not hold, and the other orientation's kernel where a gradient needs it."""
+        cascade's kernel (all of its outputs in its one pass), the ``needed`` maps, and the
+        other orientation's kernel where a gradient needs it."""
         for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
             values[delta] = (values[up] * values[o]).sum(-1)
         out = {}
@@ -240,7 +242,7 @@ class Gradient:
             out = dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
                            strict=True))
         out |= {name: f(*(_per_element(values[a], as_is) for a, as_is in args))
-                for name, (f, args) in self.maps.items() if name in needed - set(out)}
+                for name, (f, args) in self.maps.items() if name in needed}
         if self.columns is not None and needed & set(self.columns.outputs):
             laid = column_values(self.derived, values | out, self.columns.inputs,
                                  _rows(self.derived, values))
@@ -255,7 +257,7 @@ def _rows(derived: Backward, values: dict) -> tuple[int, ...]:
     where the output has one)."""
     o, g = next(iter(derived.upstream.items()))
     shape, forward = tuple(values[g].shape), derived.forward
-    per_element = o in forward.elementwise or (o in forward.shapes and forward.shapes[o].vec)
+    per_element = o in forward.elementwise or o in vector_results(forward)
     return shape[:-1] if per_element else shape
 
 
@@ -275,17 +277,18 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
         return str(e)
     if not derived.proven:
         return "its backward did not prove (redfuser derive --backward shows the proof)"
-    if any(e.has(Dot) for e in derived.maps.values()):
-        return "its per-element gradients are maps with dot products, which no torch " \
-               "function runs here yet"
-    columns = op(derived.columns, f"{name}_backward_columns", differentiable=False,
-                 **options) if derived.columns else None
     kernel = None
     if not derived.is_map:
         grad_scalars = tuple(s for s in scalars if s in derived.spec)
         kernel = op(derived.spec, f"{name}_backward", grad_scalars, differentiable=False,
                     **options)
-    return Gradient(derived, kernel, Gradient.maps_of(derived), columns)
+    maps = {g: e for g, e in derived.maps.items() if kernel is None or g not in kernel.outputs}
+    if any(e.has(Dot) for e in maps.values()):
+        return "its per-element gradients are maps with dot products, which no torch " \
+               "function runs here yet"
+    columns = op(derived.columns, f"{name}_backward_columns", differentiable=False,
+                 **options) if derived.columns else None
+    return Gradient(derived, kernel, Gradient.maps_of(derived, maps), columns)
 
 
 def _register_autograd(torch_op, name: str, inputs: tuple[str, ...],

@@ -22,6 +22,7 @@ import math
 import torch
 
 from algebra import Backward
+from algebra.backward_vectors import vector_results
 
 
 def column_values(derived: Backward, values: dict, names: tuple[str, ...],
@@ -39,7 +40,7 @@ def column_values(derived: Backward, values: dict, names: tuple[str, ...],
     sizes, width = tuple(rows[a] for a in kept), math.prod(rows[a] for a in along)
     n, last = values[shared[0]].shape[-2], len(rows)
     vectors = set(c.vector_inputs) | {u for o, u in derived.upstream.items()
-                                      if c.shapes.get(o) is not None and c.shapes[o].vec}
+                                      if o in vector_results(c)}
     own = {s.name for s in c.streams} - set(shared)  # streams each row holds its own of
     role = {r: p for p, r in derived.column_params.items()}
     out = {}

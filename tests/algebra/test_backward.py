@@ -22,7 +22,7 @@ import redfuser
 from algebra import NoBackward, derive
 from algebra.backward import REFUSALS, written
 from algebra.backward_proof import Unrolled, is_zero
-from algebra.functions import Dot
+from algebra.functions import Dot, Where
 from algebra.library import LIBRARY
 from algebra.spec import parse
 from tests.support import cascade_inputs, cascades, examples, rule_for
@@ -113,6 +113,17 @@ def test_the_prover_tells_a_wrong_gradient_from_a_right_one():
     assert is_zero(sp.exp(x - m) / d - sp.exp(x) * sp.exp(-m) / d)
     assert not is_zero(sp.exp(x - m) / d - sp.exp(x - m) / d ** 2)
     assert is_zero(x / sp.Abs(x) - sp.sign(x))  # where the derivative exists
+
+
+def test_only_a_case_where_the_loss_is_undefined_is_outside_the_domain():
+    """A fully masked row (the select's condition false: the loss is 0/0) proves nothing
+    about that case, and the case where it holds must still be 0; a loss undefined in every
+    case proves nothing at all."""
+    x, p = sp.symbols("x p", real=True)
+    masked = Where(x > p, x, sp.S.Zero) / Where(x > p, sp.S.One, sp.S.Zero)  # 0/0 where off
+    assert is_zero(Where(x > p, x - x, sp.S.One), masked)
+    assert not is_zero(Where(x > p, x, sp.S.Zero), masked)
+    assert not is_zero(x, sp.nan)
 
 
 def test_written_forward_round_trips_through_the_parser():
