@@ -55,6 +55,7 @@ from .adjoint import (
     symbols_of,
 )
 from .backward_proof import prove
+from .backward_selections import Selection, contracted_selections, rewritten, selection
 from .backward_vectors import ROLES, column_text, contracted, solved_hidden, tidied
 from .cascade import POSITION, Cascade
 from .errors import NoBackward
@@ -69,10 +70,6 @@ INDEX_RETURNS = ("index", "indices_k")  # a law's ``returns`` for an integer res
 
 # why a gradient or a whole backward is refused, as data: reason -> message template
 REFUSALS = {
-    "k_result": "result {name} holds k values: the adjoint of a top-k list is not derived",
-    "selection": "{name} = {op}(...) selects elements and the outputs may depend on it (its "
-                 "adjoint is not proven 0): its subgradient (to the selected element) is not "
-                 "derived",
     "index": "{name} is an index: integer outputs have no gradient",
     "op": "{name} = {op}(...): only sum reductions and max/min stabilisers are "
           "differentiated",
@@ -101,6 +98,7 @@ class Backward:
     columns: str = ""  # gradients summed over the rows: a cascade whose stream is the rows
     column_params: dict[str, str] = field(default_factory=dict)  # new parameter -> ROLES key
     dots: dict[str, tuple[str, str]] = field(default_factory=dict)  # delta -> (upstream, output)
+    selections: tuple[Selection, ...] = ()  # max/min/top-k differentiated at their selection
 
     @property
     def is_map(self) -> bool:
@@ -125,6 +123,12 @@ class Backward:
                   for s in self.stabilisers]
         lines += [f"  {delta} = dot({d}, {o}) per row, from the saved output"
                   for delta, (d, o) in self.dots.items()]
+        for s in self.selections:
+            lines.append(f"  {s}: the subgradient of {s.result} (torch's: to the element(s) "
+                         "the forward selected; ties to the lowest index)")
+            if s.delta:
+                lines.append(f"  {s.delta} = dot({s.upstream}, {s.result}) per row, from the "
+                             "saved output")
         lines.append("spec:")
         lines += [f"  {line}" for line in self.spec.splitlines()]
         if self.columns:
@@ -143,6 +147,7 @@ class _Sweep:
     c: Cascade
     sym: dict[str, sp.Symbol]
     taken: set[str]
+    selectors: frozenset[str] = frozenset()  # per-element inputs of the selections
     adjoint: dict[str, Adjoint] = field(default_factory=lambda: defaultdict(Adjoint))
     lines: list[tuple[str, sp.Expr]] = field(default_factory=list)  # per-row lines, in order
     held: dict[str, sp.Expr] = field(default_factory=dict)  # result -> its adjoint's value
@@ -193,25 +198,60 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
         up[o] = sp.Symbol(fresh(f"d{o}", taken), real=True)
         taken.add(up[o].name)
     c, seeds, dots = contracted(forward, outputs, up, taken)
-    sw = _Sweep(c, symbols_of(c), taken)
-    stabilisers = _sweep(sw, seeds, up)
+    selections = contracted_selections(forward, outputs, up, taken)
+    seeds |= {s.result: sp.S.One for s in selections}
+    sw, stabilisers = _swept(forward, c, selections, seeds, up, taken)
     streams, params, columns, refused = _input_gradients(sw, up)
-    if dots:
-        sw.lines = [(g, tidied(solved_hidden(forward, dots, e))) for g, e in sw.lines]
-        streams = [(s, g, tidied(solved_hidden(forward, dots, e))) for s, g, e in streams]
-        columns = [(s, g, tidied(solved_hidden(forward, dots, e))) for s, g, e in columns]
-    proofs = prove(forward, sw.sym, sw.lines, up, dots, stabilisers, streams, params, columns)
+    solved = {s.result: sp.Symbol(s.delta, real=True) for s in selections if s.delta}
+    if dots or solved:
+        def tidy(e):
+            return tidied(solved_hidden(forward, dots, _by_name(e, solved)))
+        sw.lines = [(g, tidy(e)) for g, e in sw.lines]
+        streams = [(s, g, tidy(e)) for s, g, e in streams]
+        columns = [(s, g, tidy(e)) for s, g, e in columns]
+    proofs = prove(rewritten(forward, selections), sw.sym, sw.lines, up, dots, stabilisers,
+                   streams, params, columns, selections)
     column_spec, column_params = _column_spec(c, sw, dots, columns)
     exprs = [e for _, e in sw.lines] + [e for _, _, e in (*streams, *columns)]
     reads = {s.name for e in exprs for s in e.free_symbols}
     dots = {o: (d, delta) for o, (d, delta) in dots.items() if delta.name in reads}
-    saved = sorted((reads | set(dots)) & set(results_in_order(c)))
-    forward_spec = written(forward) if set(saved) - set(c.outputs) else forward.text
+    saved = sorted((reads | set(dots)) & set(results_in_order(c)) | {
+        s.index for s in selections} | {s.result for s in selections if s.delta})
+    forward_spec = (written(forward, selections) if set(saved) - set(c.outputs)
+                    else forward.text)
     return Backward(forward, _spec_text(c, sw, up, streams), {o: s.name for o, s in up.items()},
                     _described(streams, params, columns), tuple(saved), forward_spec,
                     tuple(stabilisers), refused, proofs, _maps(sw, streams, params),
                     column_spec, column_params,
-                    {delta.name: (d.name, o) for o, (d, delta) in dots.items()})
+                    {delta.name: (d.name, o) for o, (d, delta) in dots.items()},
+                    tuple(selections))
+
+
+class _Selects(Exception):
+    """A max/min whose adjoint is not 0: the outputs depend on the value it selects."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+def _swept(forward: Cascade, c: Cascade, selections: list[Selection], seeds, up, taken):
+    """The reverse sweep, again with each max/min the outputs depend on differentiated at
+    its selection (``algebra.backward_selections``); returns it and the stabilisers."""
+    reductions = {r.name: r for r in forward.reductions}
+    while True:
+        here = rewritten(c, selections)
+        sw = _Sweep(here, symbols_of(here), set(taken),
+                    frozenset(s.selector for s in selections))
+        try:
+            return sw, _sweep(sw, seeds, up)
+        except _Selects as e:
+            selections.append(selection(forward, reductions[e.name], taken))
+
+
+def _by_name(e: sp.Expr, values: dict[str, sp.Expr]) -> sp.Expr:
+    """``e`` with the symbols named in ``values`` replaced, whatever their assumptions."""
+    return e.xreplace({s: values[s.name] for s in e.free_symbols if s.name in values})
 
 
 def _described(streams, params: dict[str, str], columns) -> dict[str, tuple[str, str]]:
@@ -248,11 +288,8 @@ def _check_outputs(c: Cascade, outputs: tuple[str, ...]) -> None:
         if o not in c.outputs:
             raise NoBackward(f"{o} is not an output of the cascade (its outputs: "
                              f"{', '.join(c.outputs)})")
-        if ops.get(o, "sum") not in ("sum", *STABILISERS):
-            why = "index" if LAWS[ops[o]].returns in INDEX_RETURNS else "selection"
-            raise NoBackward(refusal(why, name=o, op=ops[o]))
-        if c.shapes.get(o) is not None and c.shapes[o].k:
-            raise NoBackward(refusal("k_result", name=o))
+        if o in ops and LAWS[ops[o]].returns in INDEX_RETURNS:
+            raise NoBackward(refusal("index", name=o))
 
 
 def _sweep(sw: _Sweep, seeds: dict[str, sp.Expr], up: dict[str, sp.Symbol]) -> list[str]:
@@ -281,7 +318,7 @@ def _sweep(sw: _Sweep, seeds: dict[str, sp.Expr], up: dict[str, sp.Symbol]) -> l
             continue
         if red.op in STABILISERS:
             if not a.vanishes():
-                raise NoBackward(refusal("selection", name=name, op=red.op))
+                raise _Selects(name)
             stabilisers.append(name)
             continue
         if red.op != "sum":
@@ -298,7 +335,7 @@ def _through_sum(sw: _Sweep, red, s: sp.Symbol, a: Adjoint) -> Adjoint:
     pole: x * m gives 1/m), that is c * red; else one more sum."""
     db = diff(red.body, s)
     ratio = _ratio(db, red.body)
-    per_element = {*sw.c.streams, POSITION}
+    per_element = {*sw.c.streams, POSITION, *(sp.Symbol(s, real=True) for s in sw.selectors)}
     new_pole = sp.denom(ratio).free_symbols - sp.denom(sp.together(db)).free_symbols
     if not ratio.free_symbols & per_element and not new_pole:
         return a.times(ratio * sw.sym[red.name])
@@ -353,9 +390,10 @@ def _spelling(c: Cascade, per_element: set[str]):
     return name
 
 
-def written(c: Cascade) -> str:
+def written(c: Cascade, selections: tuple[Selection, ...] = ()) -> str:
     """The cascade as spec text with every reduction its own named line (a hidden one,
-    such as log_softmax's ``lse_sum``, becomes an output).
+    such as log_softmax's ``lse_sum``, becomes an output), and the index result each
+    selection needs where the spec has none (``p_at = argmax(...)``).
 
     Examples
     --------
@@ -375,13 +413,17 @@ def written(c: Cascade) -> str:
             lines.append(f"{result} = {r.op}({spec_text(r.body, name, NoBackward)}{k})")
         else:
             lines.append(f"{result} = {spec_text(c.epilogues[result], name, NoBackward)}")
+    for s in selections:
+        if s.adds_index:
+            r, k = reductions[s.result], f", {s.k}" if s.k else ""
+            lines.append(f"{s.index} = {LAWS[r.op].at}({spec_text(r.body, name, NoBackward)}{k})")
     lines += [f"{y}[i] = {spec_text(e, name, NoBackward)}" for y, e in c.elementwise.items()]
     return "\n".join(lines)
 
 
 def _spec_text(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], streams) -> str:
-    name = _spelling(c, {s.name for s in c.streams} | {up[o].name for o in up
-                                                      if o in c.elementwise})
+    name = _spelling(c, {s.name for s in c.streams} | set(sw.selectors) | {
+        up[o].name for o in up if o in c.elementwise})
     lines = [f"{g} = {spec_text(spelled(e), name, NoBackward)}" for g, e in sw.lines
              if e.has(RowSum)]  # a per-row map (no sum) is run by the caller: ``maps``
     lines += [f"{g}[i] = {spec_text(spelled(e), name, NoBackward)}" for _, g, e in streams]

@@ -5,9 +5,13 @@ the backward unrolled at ``PROOF_LENGTHS`` symbolic elements, each feature vecto
 
 Sums are symmetric in their elements, so three elements cover an element's own term and the
 others'; a dot product is a sum over the features, so two components cover a feature's own
-term and the others' (a gradient is proven component by component)."""
+term and the others' (a gradient is proven component by component).  A selection (max,
+top-k: ``algebra.backward_selections``) is proven at every fixed choice of the elements it
+selects, where its value is the chosen elements' and the loss is smooth."""
 
 from __future__ import annotations
+
+import itertools
 
 import sympy as sp
 
@@ -59,28 +63,47 @@ def all_zero(values, domain: sp.Expr) -> bool:
 
 def prove(c: Cascade, sym: dict[str, sp.Symbol], lines: list, up: dict[str, sp.Symbol],
           dots: dict, stabilisers: list[str], streams, params: dict[str, str],
-          columns: list) -> tuple[tuple[str, bool], ...]:
+          columns: list, selections=()) -> tuple[tuple[str, bool], ...]:
     """The gradients against ``sympy.diff`` of the multi-pass loss, unrolled at each of
-    ``PROOF_LENGTHS`` symbolic elements (module docstring)."""
+    ``PROOF_LENGTHS`` symbolic elements (module docstring); ``c`` has each selection
+    written as its sum (``backward_selections.rewritten``)."""
     # a stabiliser's adjoint simplified to 0 symbolically (``backward._sweep``): for every N, not
     # only the unrolled ones, which then hold it constant
     proofs = [(f"adjoint of {m} = 0 for every N: {m} only stabilises", True)
               for m in stabilisers]
     for n in PROOF_LENGTHS:
-        u = Unrolled(c, sym, lines, up, dots, n, set(stabilisers))
-        loss = u.loss()
-        for s, g, e in streams:
-            ok = all(is_zero(diff(loss, u.element(s, j)) - u.at(e, j), loss) for j in range(n))
-            proofs.append((f"{g}[i] = d loss / d {s.name}[i] at N = {n}", ok))
-        for p, g in params.items():
-            ok = all_zero(_minus(u.gradient(loss, u.value_of(sym[p])), u.value(g)), loss)
-            proofs.append((f"{g} = d loss / d {p} at N = {n}", ok))
-        for s, g, e in columns:
-            ok = all(all_zero(_minus(u.gradient(loss, u.element(s, j)), u.at(e, j)), loss)
-                     for j in range(n))
-            proofs.append((f"{g}[i, :] = d loss / d {s.name}[i, :] summed over the rows, at "
-                           f"N = {n}, {PROOF_FEATURES} features", ok))
+        held: dict[str, bool] = {}
+        for case in _cases(selections, n):
+            u = Unrolled(c, sym, lines, up, dots, n, set(stabilisers), case, selections)
+            for claim, ok in _claims(u, sym, streams, params, columns):
+                held[claim] = held.get(claim, True) and ok
+        proofs += held.items()
     return tuple(proofs)
+
+
+def _claims(u: Unrolled, sym, streams, params, columns):
+    """(what is claimed, whether it holds) for every gradient at one unrolling."""
+    loss, n = u.loss(), u.n
+    for s, g, e in streams:
+        ok = all(is_zero(diff(loss, u.element(s, j)) - u.at(e, j), loss) for j in range(n))
+        yield f"{g}[i] = d loss / d {s.name}[i] at N = {n}{u.cases}", ok
+    for p, g in params.items():
+        ok = all_zero(_minus(u.gradient(loss, u.value_of(sym[p])), u.value(g)), loss)
+        yield f"{g} = d loss / d {p} at N = {n}{u.cases}", ok
+    for s, g, e in columns:
+        ok = all(all_zero(_minus(u.gradient(loss, u.element(s, j)), u.at(e, j)), loss)
+                 for j in range(n))
+        yield (f"{g}[i, :] = d loss / d {s.name}[i, :] summed over the rows, at N = {n}, "
+               f"{PROOF_FEATURES} features", ok)
+
+
+def _cases(selections, n: int) -> list[dict[str, tuple]]:
+    """Every fixed choice of every selection at ``n`` elements: selector -> its values."""
+    def component(s):
+        return lambda k: sp.Symbol(f"{s.upstream}_c{k}", real=True)
+
+    per_selection = [[(s.selector, v) for v in s.cases(n, component(s))] for s in selections]
+    return [dict(choice) for choice in itertools.product(*per_selection)]
 
 
 def _minus(a, b):
@@ -93,8 +116,12 @@ class Unrolled:
     it); a feature vector is a tuple of ``PROOF_FEATURES`` component symbols."""
 
     def __init__(self, c: Cascade, sym: dict, lines: list, up: dict, dots: dict, n: int,
-                 stabilisers: set):
+                 stabilisers: set, selected: dict | None = None, selections=()):
         self.c, self.up, self.n = c, up, n
+        self.selected = selected or {}  # selector -> its value at each element
+        self.cases = (f", each of the {len(_cases(selections, n))} choices of "
+                      f"{', '.join(s.result for s in selections)}") if selections else ""
+        self.contracted = {s.result for s in selections if s.upstream}
         self.vectors = set(c.vector_inputs) | {d.name for d, _ in dots.values()}
         self.per_element = {s.name for s in c.streams} | {
             up[o].name for o in up if o in c.elementwise}
@@ -106,6 +133,9 @@ class Unrolled:
                                   else self.at(c.epilogues[name], 0))
         for o, (d, delta) in dots.items():
             self.env[delta.name] = _dot(self.value_of(d), self.env[o])
+        for s in selections:
+            if s.delta:
+                self.env[s.delta] = self.env[s.result]  # the contraction, summed
         for g, e in lines:
             self.env[g] = self.at(e, 0)
 
@@ -144,6 +174,8 @@ class Unrolled:
     def _symbol(self, s: sp.Symbol, j: int):
         if s == POSITION:
             return sp.Integer(j)
+        if s.name in self.selected:
+            return self.selected[s.name][j]
         if s.name in self.per_element:
             return self.element(s, j)
         if s.name in self.env:
@@ -167,7 +199,9 @@ class Unrolled:
         gradient is the backward's."""
         out = sp.S.Zero
         for o, d in self.up.items():
-            if o in self.c.elementwise:
+            if o in self.contracted:  # dot(dp, p): its sum holds the upstream already
+                out += self.env[o]
+            elif o in self.c.elementwise:
                 out += self.total(d * self.c.elementwise[o])
             else:
                 value = self.env[o]  # a tuple of components for a vector result

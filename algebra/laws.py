@@ -33,6 +33,7 @@ class Law:
     family: str  # "linear" | "multiplicative" | "selecting"
     direction: int = 0  # selecting only: +1 keeps the largest, -1 the smallest
     returns: str = "value"  # "value" | "index" | "values_k" | "indices_k"
+    at: str = ""  # a value law that selects: the law returning where (its subgradient's way)
 
     @property
     def takes_k(self) -> bool:
@@ -51,10 +52,10 @@ oo = sp.oo
 LAWS: dict[str, Law] = {
     "sum": Law("sum", sp.S.Zero, "linear"),  # 0, a + b; sum(c*f) = c*sum(f)
     "prod": Law("prod", sp.S.One, "multiplicative"),  # 1, a * b; prod(c*f) = c**N*prod(f)
-    "max": Law("max", -oo, "selecting", +1),  # -inf, max(a, b); max(F(g)) = F(max g)
-    "min": Law("min", oo, "selecting", -1),  # +inf, min(a, b); min(F(g)) = F(min g)
+    "max": Law("max", -oo, "selecting", +1, at="argmax"),  # -inf, max(a, b); max(F(g)) = F(max g)
+    "min": Law("min", oo, "selecting", -1, at="argmin"),  # +inf, min(a, b); min(F(g)) = F(min g)
     "argmax": Law("argmax", -oo, "selecting", +1, "index"),  # first index of the max
     "argmin": Law("argmin", oo, "selecting", -1, "index"),  # first index of the min
-    "topk": Law("topk", -oo, "selecting", +1, "values_k"),  # k largest, descending
+    "topk": Law("topk", -oo, "selecting", +1, "values_k", at="argtopk"),  # k largest, descending
     "argtopk": Law("argtopk", -oo, "selecting", +1, "indices_k"),  # their indices
 }

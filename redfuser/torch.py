@@ -40,6 +40,7 @@ import sympy as sp
 import torch
 
 from algebra import Backward, FusionRule, NoBackward, derive
+from algebra.backward_selections import Selection
 from algebra.backward_vectors import vector_results
 from algebra.functions import Dot
 
@@ -223,6 +224,7 @@ class Gradient:
         arguments, per element or per row."""
         streams = {s.name for s in derived.forward.streams}
         streams |= {g for o, g in derived.upstream.items() if o in derived.forward.elementwise}
+        streams |= {s.selector for s in derived.selections}
         out = {}
         for name, expr in maps.items():
             args = sorted(expr.free_symbols, key=lambda s: s.name)
@@ -237,6 +239,8 @@ class Gradient:
         other orientation's kernel where a gradient needs it."""
         for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
             values[delta] = (values[up] * values[o]).sum(-1)
+        for s in self.derived.selections:
+            values |= _selected(s, values, _length(self.derived, values))
         out = {}
         if self.op is not None:
             out = dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
@@ -250,6 +254,25 @@ class Gradient:
             out |= {g: t.reshape(values[of[g]].shape) for g, t in
                     zip(self.columns.outputs, self.columns(*laid.values()), strict=True)}
         return out
+
+
+def _selected(s: Selection, values: dict, length: int) -> dict:
+    """A selection's per-element input: its upstream (or 1) scattered to the elements at
+    the saved indices (distinct: a top-k never picks one twice), and ``dot(dp, p)``."""
+    index = values[s.index].long()
+    upstream = values[s.upstream] if s.upstream else torch.ones_like(values[s.result])
+    if s.k is None:
+        index, upstream = index.unsqueeze(-1), upstream.unsqueeze(-1)
+    zeros = upstream.new_zeros((*index.shape[:-1], length))
+    out = {s.selector: zeros.scatter(-1, index, upstream)}
+    if s.delta:
+        out[s.delta] = (upstream * values[s.result]).sum(-1)
+    return out
+
+
+def _length(derived: Backward, values: dict) -> int:
+    """The forward's stream length N, from a stream input."""
+    return values[derived.forward.streams[0].name].shape[-1]
 
 
 def _rows(derived: Backward, values: dict) -> tuple[int, ...]:

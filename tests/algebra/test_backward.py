@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 import redfuser
 from algebra import NoBackward, derive
 from algebra.backward import REFUSALS, written
-from algebra.backward_proof import Unrolled, is_zero
+from algebra.backward_proof import Unrolled, is_zero, prove
+from algebra.backward_selections import rewritten
 from algebra.functions import Dot, Where
 from algebra.library import LIBRARY
 from algebra.spec import parse
@@ -29,11 +30,10 @@ from tests.support import cascade_inputs, cascades, examples, rule_for
 
 PROVEN = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "layernorm", "rmsnorm",
           "l2_normalize", "variance", "softmax_moments", "attention", "causal_attention",
-          "rmsnorm_gemm", "softmin_average", "linear_cross_entropy")
+          "rmsnorm_gemm", "softmin_average", "linear_cross_entropy", "moe_routing",
+          "greedy_token", "softmax_entropy")
 # library cascade -> the start of the reason its backward is refused
 REFUSED = {
-    "moe_routing": "p = topk(...) selects elements",
-    "greedy_token": "p = max(...) selects elements",
     "geometric_mean": "g_prod = prod(...): only sum reductions",
 }
 STEP = 1e-5
@@ -81,6 +81,34 @@ def test_the_component_proof_tells_a_wrong_vector_gradient_from_a_right_one():
         got = u.gradient(u.loss(), u.element(v, j))
         assert all(is_zero(g - w) for g, w in zip(got, u.at(right, j), strict=True))
         assert not all(is_zero(g - w) for g, w in zip(got, u.at(right * d, j), strict=True))
+
+
+def test_a_selection_routes_its_upstream_to_the_elements_the_forward_selected():
+    """moe_routing: dx = y * (sel - dot(dp, p)), sel the upstream scattered to the saved
+    argtopk (the spec's own e); greedy_token: its max probability needs an argmax over the
+    same body, which the forward gains (token's body differs); proven on every choice."""
+    b = derive("moe_routing").backward()
+    (s,) = b.selections
+    assert (s.selector, s.index, s.upstream, s.adds_index) == ("sel_p", "e", "dp", False)
+    assert b.saved == ("d", "e", "m", "p") and b.is_map and "sel_p[i]" in b.spec
+    assert str(b.maps["dx"]) == "(-delta_p + sel_p)*exp(-m + x)/d"
+    assert "each of the 6 choices of p" in str(b)
+    g = derive("greedy_token").backward()
+    assert g.selections[0].index == "p_at" and g.selections[0].adds_index
+    assert "p_at = argmax(" in g.forward_spec and g.proven
+
+
+def test_the_proof_of_a_selection_tells_a_wrong_gradient_from_a_right_one():
+    """moe_routing's dx without its -dot(dp, p) term (the softmax's own Jacobian) fails."""
+    b = derive("moe_routing").backward()
+    c = rewritten(b.forward, b.selections)
+    sym = {s.name: s for r in c.reductions for s in r.body.free_symbols}
+    right = b.maps["dx"]
+    wrong = right.subs(sp.Symbol("delta_p", real=True), 0)
+    for form, holds in ((right, True), (wrong, False)):
+        proofs = prove(c, sym, [], {"p": sp.Symbol("dp", real=True)}, {}, ["m"],
+                       [(c.streams[0], "dx", form)], {}, [], b.selections)
+        assert all(ok for _, ok in proofs) is holds
 
 
 @pytest.mark.parametrize("name,reason", sorted(REFUSED.items()))
@@ -151,6 +179,22 @@ def _central_differences(spec: str, inputs: dict, upstream: dict, name: str) -> 
     return out
 
 
+def _selectors(b, forward: dict, upstream: dict, n: int) -> dict:
+    """Each selection's per-element input: its upstream (or 1) at the saved indices."""
+    out = {}
+    for s in b.selections:
+        index = np.asarray(forward[s.index]).astype(np.int64)
+        up = upstream[s.result] if s.upstream else np.ones(index.shape)
+        if s.k is None:
+            index, up = index[..., None], up[..., None]
+        sel = np.zeros((*index.shape[:-1], n))
+        np.put_along_axis(sel, index, up, -1)
+        out[s.selector] = sel.astype(np.float32)
+        if s.delta:
+            out[s.delta] = np.sum(up * forward[s.result], -1).astype(np.float32)
+    return out
+
+
 @settings(max_examples=examples(0.4), deadline=None,
           suppress_health_check=[HealthCheck.filter_too_much])
 @given(specs=cascades(), seed=st.integers(0, 2**32 - 1), n=st.integers(1, 6))
@@ -164,6 +208,7 @@ def test_generated_backward_kernels_match_differences_of_the_oracle(specs, seed,
         # generated ones are not yet run here (their lowering of a per-element dot output
         # is not built, and their backward kernels need the column layout)
         assume(not rule.cascade.vector_inputs)
+        assume(all(n >= (r.k or 1) for r in rule.cascade.reductions))  # top-k needs k <= N
         b = rule.backward()
     except (redfuser.NotFusable, redfuser.SpecError, NoBackward):
         assume(False)  # refused by the forward engine, or a backward the engine refuses
@@ -173,9 +218,12 @@ def test_generated_backward_kernels_match_differences_of_the_oracle(specs, seed,
     forward = redfuser.reference(b.forward_spec, inputs)
     upstream = {o: rng.normal(size=forward[o].shape) for o in b.upstream}
     assume(all(np.isfinite(forward[o]).all() for o in b.upstream))
-    grads = redfuser.compile(b.spec, tune=False)(
-        **inputs, **{s: forward[s].astype(np.float32) for s in b.saved},
-        **{g: upstream[o].astype(np.float32) for o, g in b.upstream.items()})
+    kernel = redfuser.compile(b.spec, tune=False)
+    reads = {s.name for s in (*kernel.rule.cascade.streams, *kernel.rule.cascade.params)}
+    given = inputs | {s: forward[s].astype(np.float32) for s in b.saved} | {
+        g: upstream[o].astype(np.float32) for o, g in b.upstream.items()} | _selectors(
+        b, forward, upstream, n)
+    grads = kernel(**{k: v for k, v in given.items() if k in reads})  # not the indices
     for name, (grad, _) in b.gradients.items():
         want = _central_differences(spec, inputs, upstream, name)
         got = np.asarray(grads[grad], np.float64).reshape(want.shape)

@@ -42,6 +42,9 @@ CASES = {
     "rmsnorm": ("y", _rmsnorm, {"x": "normal", "g": "weight", "eps": EPS}),
     "l2_normalize": ("y", lambda x: x / x.norm(dim=-1, keepdim=True), {"x": "normal"}),
     "variance": ("var", lambda x: x.var(-1, unbiased=False), {"x": "normal"}),
+    # its max is differentiated at its selection (the adjoint's 0 is not proven symbolically)
+    "softmax_entropy": ("h", lambda x, t: torch.distributions.Categorical(
+        logits=x / t).entropy(), {"x": "normal", "T": 0.7}),
 }
 
 
@@ -247,3 +250,39 @@ def test_compile_caches_are_keyed_by_the_derived_backwards():
     rt.op("r = sum(exp(x[i]) * x[i])", name="tagged_sum", tune=False)
     after = torch.compiler.config.cache_key_tag
     assert after != before and after.startswith(rt._USER_TAG + "redfuser-")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_selection_gradients_go_to_the_elements_the_forward_selected(compiled):
+    """moe_routing's top-8 router probabilities and greedy_token's largest probability:
+    the gradient reaches the selected logits directly and every logit through the softmax
+    (torch's subgradient of topk / max(dim): to the returned indices).  Rows without ties
+    match torch.topk / torch.max themselves; a row of ties (four equal logits, more than
+    the 2 a top-2 of them keeps) matches torch's autograd of the probabilities gathered at
+    the indices the op returned, and those are the lowest (ours; torch.topk's order among
+    equal values is its implementation's)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 24, generator=g) * 2
+    x[3, :] = -1.0
+    x[3, [5, 9, 2, 17]] = 3.0  # a tie in the top of the last row
+    moe, greedy = rt.op("moe_routing", tune=False), rt.op("greedy_token", tune=False)
+    for op, out, k in ((moe, "p", 8), (greedy, "p", 1)):
+        index = op.outputs.index(out)
+        run = (torch.compile(lambda t, op=op, i=index: op(t)[i], fullgraph=True) if compiled
+               else (lambda t, op=op, i=index: op(t)[i]))
+        leaf = x.clone().requires_grad_()
+        values = run(leaf)
+        upstream = torch.randn(values.shape, generator=g)
+        values.backward(upstream)
+        picked = op(x)[-1].long()  # e (argtopk) and token (argmax), both saved by the op
+        ref = x.double().requires_grad_()
+        prob = torch.softmax(ref, -1)
+        if k == 1:
+            want_index = prob.max(-1).indices
+            torch.testing.assert_close(picked, want_index)  # torch's first maximum
+            prob.gather(-1, want_index[:, None])[:, 0].backward(upstream.double())
+        else:
+            torch.testing.assert_close(picked[:3], prob[:3].topk(k).indices)
+            assert picked[3, :4].tolist() == [2, 5, 9, 17]  # ties: the lowest index first
+            (prob.gather(-1, picked) * upstream.double()).sum().backward()
+        torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=TOL, atol=TOL)
