@@ -24,29 +24,30 @@ is refused gets outputs whose backward raises ``NotImplementedError`` naming the
 the reason, so a training step fails clearly instead of silently leaving the op's inputs
 without gradients.
 
+float64 tensors run the float64 oracle (``redfuser.reference``) instead of the float32
+kernels, forward and backward cascades alike: ``torch.autograd.gradcheck`` then checks the
+derived gradients against finite differences of the multi-pass definition.
+
 Import this module explicitly (``import redfuser.torch``): it loads torch, which
 ``import redfuser`` does not.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
 from functools import partial
 
-import sympy as sp
+import numpy as np
 import torch
 
-from algebra import Backward, FusionRule, NoBackward, derive
-from algebra.backward_selections import Selection
-from algebra.backward_vectors import vector_results
+from algebra import FusionRule, NoBackward, derive, reference
 from algebra.functions import Dot
 
 from .kernel import Kernel
-from .torch_columns import column_values
-from .torch_shapes import output_specs
+from .torch_gradient import Gradient
+from .torch_shapes import float_dtype, output_specs
 
 NAMESPACE = "redfuser"
 _REGISTERED: dict[str, CascadeOp] = {}
@@ -181,8 +182,10 @@ def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], outputs: tuple
         # this function, links the outputs to the inputs.
         values = {n: v.detach() if isinstance(v, torch.Tensor) else v
                   for n, v in zip(inputs, args, strict=True)}
-        out = {n: torch.empty(shape, dtype=dtype)
-               for n, (shape, dtype) in output_specs(kernel.rule, values).items()}
+        specs = output_specs(kernel.rule, values)
+        if float_dtype(values) == torch.float64:
+            return _packed(_oracle(kernel.rule, values, specs, outputs))
+        out = {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in specs.items()}
         kernel(**values, out=out)  # TVM writes these tensors in place
         return _packed(tuple(out[n] for n in outputs))
 
@@ -199,98 +202,19 @@ def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], outputs: tuple
     return torch_op
 
 
+def _oracle(rule: FusionRule, values: dict, specs: dict, outputs: tuple) -> tuple:
+    """float64 tensors in: the float64 oracle (``redfuser.reference``, the multi-pass
+    definition in numpy) computes every output, so that ``torch.autograd.gradcheck`` checks
+    the derived backward (which runs this way too) against finite differences of the
+    definition.  For checks, not speed: the kernels compute in float32."""
+    arrays = {n: v.numpy().astype(np.float64) if isinstance(v, torch.Tensor) else v
+              for n, v in values.items()}
+    ref = reference(rule.cascade, arrays)
+    return tuple(torch.from_numpy(np.ascontiguousarray(ref[n])).to(specs[n][1])
+                 .reshape(specs[n][0]) for n in outputs)
+
+
 # Autograd ---------------------------------------------------------------------------------
-# torch's spelling of the functions a backward map may hold (``Backward.maps``)
-TORCH_FUNCS = {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "Abs": torch.abs,
-               "tanh": torch.tanh, "sign": torch.sign, "Where": torch.where}
-
-
-@dataclass(frozen=True)
-class Gradient:
-    """An op's derived backward: the algebra's ``Backward`` and how it runs: the backward
-    cascade's own op (``<name>_backward``; None where it has no sum, ``Backward.is_map``),
-    torch's elementwise ops for the maps (``maps``: gradient name -> (function, its
-    arguments as (name, taken as it is?)), made once at registration), and the other
-    orientation's op (``<name>_backward_columns``)."""
-
-    derived: Backward
-    op: CascadeOp | None
-    maps: dict = dataclasses.field(default_factory=dict)
-    columns: CascadeOp | None = None  # gradients summed over the rows (``torch_columns``)
-
-    @staticmethod
-    def maps_of(derived: Backward, maps: dict) -> dict:
-        """Each of ``maps`` (the ones no kernel computes) as a torch function of its
-        arguments, per element or per row."""
-        streams = {s.name for s in derived.forward.streams}
-        streams |= {g for o, g in derived.upstream.items() if o in derived.forward.elementwise}
-        streams |= {s.selector for s in derived.selections}
-        out = {}
-        for name, expr in maps.items():
-            args = sorted(expr.free_symbols, key=lambda s: s.name)
-            per_row = not any(a.name in streams for a in args)  # no stream axis to add
-            out[name] = (sp.lambdify(args, expr, modules=[TORCH_FUNCS]),
-                         tuple((a.name, per_row or a.name in streams) for a in args))
-        return out
-
-    def run(self, values: dict, needed: set[str]) -> dict:
-        """Gradient name -> tensor, from the backward's inputs by name: the backward
-        cascade's kernel (all of its outputs in its one pass), the ``needed`` maps, and the
-        other orientation's kernel where a gradient needs it."""
-        for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
-            values[delta] = (values[up] * values[o]).sum(-1)
-        for s in self.derived.selections:
-            values |= _selected(s, values, _length(self.derived, values))
-        out = {}
-        if self.op is not None:
-            out = dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
-                           strict=True))
-        out |= {name: f(*(_per_element(values[a], as_is) for a, as_is in args))
-                for name, (f, args) in self.maps.items() if name in needed}
-        if self.columns is not None and needed & set(self.columns.outputs):
-            laid = column_values(self.derived, values | out, self.columns.inputs,
-                                 _rows(self.derived, values))
-            of = {g: n for n, (g, _) in self.derived.gradients.items()}
-            out |= {g: t.reshape(values[of[g]].shape) for g, t in
-                    zip(self.columns.outputs, self.columns(*laid.values()), strict=True)}
-        return out
-
-
-def _selected(s: Selection, values: dict, length: int) -> dict:
-    """A selection's per-element input: its upstream (or 1) scattered to the elements at
-    the saved indices (distinct: a top-k never picks one twice), and ``dot(dp, p)``."""
-    index = values[s.index].long()
-    upstream = values[s.upstream] if s.upstream else torch.ones_like(values[s.result])
-    if s.k is None:
-        index, upstream = index.unsqueeze(-1), upstream.unsqueeze(-1)
-    zeros = upstream.new_zeros((*index.shape[:-1], length))
-    out = {s.selector: zeros.scatter(-1, index, upstream)}
-    if s.delta:
-        out[s.delta] = (upstream * values[s.result]).sum(-1)
-    return out
-
-
-def _length(derived: Backward, values: dict) -> int:
-    """The forward's stream length N, from a stream input."""
-    return values[derived.forward.streams[0].name].shape[-1]
-
-
-def _rows(derived: Backward, values: dict) -> tuple[int, ...]:
-    """The forward's row shape, from an upstream gradient (less its feature or stream axis
-    where the output has one)."""
-    o, g = next(iter(derived.upstream.items()))
-    shape, forward = tuple(values[g].shape), derived.forward
-    per_element = o in forward.elementwise or o in vector_results(forward)
-    return shape[:-1] if per_element else shape
-
-
-def _per_element(value, stream: bool):
-    """A per-row value broadcast over the stream axis (a stream is as it is)."""
-    if stream or not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return value
-    return value.unsqueeze(-1)
-
-
 def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | str:
     """The derived, proven backward of ``rule`` registered as ``<name>_backward``, or why
     there is none (the op's backward then raises with that reason)."""

@@ -20,7 +20,8 @@ TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int64": torch.i
 
 
 def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch.dtype]]:
-    """Every output's (shape, dtype) for tensors (real, fake or symbolic-sized) and numbers.
+    """Every output's (shape, dtype) for tensors (real, fake or symbolic-sized) and numbers;
+    float64 inputs give float64 outputs (``redfuser.torch``'s oracle path).
 
     The layout is resolved and checked as a call resolves it, on zero-strided stand-ins
     (no memory) of the inputs' sizes, a symbolic size at its value in the example torch
@@ -42,8 +43,17 @@ def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch
     if any(isinstance(s, torch.SymInt) for shape in shapes.values() for s in shape):
         layout = _symbolic(rule.cascade, layout, shapes)
     vector = vector_results(rule.cascade, layout.vector)  # as call.call_plan reads it
-    return {a.name: (user_shape(rule, layout, a, vector), TORCH_DTYPES[a.dtype])
+    floats = float_dtype(inputs)
+    return {a.name: (user_shape(rule, layout, a, vector),
+                     floats if a.dtype == "float32" else TORCH_DTYPES[a.dtype])
             for a in sig.outputs}
+
+
+def float_dtype(inputs: dict) -> torch.dtype:
+    """float64 where any tensor input is float64 (the oracle computes it), else float32."""
+    wide = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64
+               for v in inputs.values())
+    return torch.float64 if wide else torch.float32
 
 
 def _hint(rule: FusionRule, name: str, size) -> int:

@@ -100,32 +100,33 @@ def test_torch_export_with_heads_and_d_shared_by_q_k_v():
 
 
 def test_requires_grad_computes_and_a_refused_backward_names_the_op_and_why():
-    """moe_routing's top-k has no derived subgradient: the backward raises with the reason
-    (``algebra.backward.REFUSALS``) instead of leaving x without a gradient."""
-    rt.op("moe_routing", tune=False)
+    """geometric_mean's product has no derived backward: the backward raises with the
+    reason (``algebra.backward.REFUSALS``) instead of leaving x without a gradient."""
+    rt.op("geometric_mean", tune=False)
     x = torch.randn(4, 64, requires_grad=True)
-    m, d, p, e = torch.ops.redfuser.moe_routing(x)
-    torch.testing.assert_close(p.double(), torch.softmax(x.detach().double(), -1).topk(8)[0],
+    m, g = torch.ops.redfuser.geometric_mean(x)
+    torch.testing.assert_close(g.double(), torch.exp(x.detach().double().mean(-1)),
                                rtol=TOL, atol=TOL)
-    assert p.requires_grad and p.grad_fn is not None  # a graph, not silently cut
-    with pytest.raises(NotImplementedError, match=r"redfuser\.moe_routing: p = topk.*subgrad"):
-        p.sum().backward()
+    assert g.requires_grad and g.grad_fn is not None  # a graph, not silently cut
+    with pytest.raises(NotImplementedError,
+                       match=r"redfuser\.geometric_mean: g_prod = prod.*only sum"):
+        g.sum().backward()
     assert x.grad is None
 
 
 def test_requires_grad_under_torch_compile():
-    rt.op("greedy_token", tune=False)
+    rt.op("geometric_mean", tune=False)
     lin = torch.nn.Linear(16, 16)  # parameters: every forward builds a graph
 
     def model(x):
-        return torch.ops.redfuser.greedy_token(lin(x))[2]
+        return torch.ops.redfuser.geometric_mean(lin(x))[1]
 
     x = torch.randn(3, 16)
-    p = torch.compile(model, fullgraph=True)(x)
-    torch.testing.assert_close(p.double(), torch.softmax(lin(x).detach().double(), -1).amax(-1),
+    g = torch.compile(model, fullgraph=True)(x)
+    torch.testing.assert_close(g.double(), torch.exp(lin(x).detach().double().mean(-1)),
                                rtol=TOL, atol=TOL)
-    with pytest.raises(NotImplementedError, match=r"redfuser\.greedy_token: p = max.*subgrad"):
-        p.sum().backward()
+    with pytest.raises(NotImplementedError, match=r"redfuser\.geometric_mean: .*only sum"):
+        g.sum().backward()
 
 
 def test_a_kernel_copies_a_misaligned_tensor_that_requires_grad():
