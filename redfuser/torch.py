@@ -43,7 +43,6 @@ import numpy as np
 import torch
 
 from algebra import FusionRule, NoBackward, derive, reference
-from algebra.functions import Dot
 
 from .kernel import Kernel
 from .torch_gradient import Gradient
@@ -230,9 +229,6 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
         kernel = op(derived.spec, f"{name}_backward", grad_scalars, differentiable=False,
                     **options)
     maps = {g: e for g, e in derived.maps.items() if kernel is None or g not in kernel.outputs}
-    if any(e.has(Dot) for e in maps.values()):
-        return "its per-element gradients are maps with dot products, which no torch " \
-               "function runs here yet"
     columns = op(derived.columns, f"{name}_backward_columns", differentiable=False,
                  **options) if derived.columns else None
     return Gradient(derived, kernel, Gradient.maps_of(derived, maps), columns)

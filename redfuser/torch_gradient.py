@@ -15,6 +15,7 @@ import torch
 from algebra import Backward
 from algebra.backward_selections import Selection
 from algebra.backward_vectors import vector_results
+from algebra.cascade import N
 
 from .torch_columns import column_values
 
@@ -27,9 +28,21 @@ class CascadeOp(Protocol):
 
     def __call__(self, *args) -> tuple: ...
 
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """dot over the feature axis; a per-row vector (stream axis 1) against a stream is a
+    matrix product (rmsnorm_gemm's dot(dy, w[i, :]) = dy @ w.T), never a rows x N x D
+    temporary."""
+    if a.shape[-2] == 1 and b.shape[-2] != 1:
+        return (a @ b.mT)[..., 0, :]
+    if b.shape[-2] == 1 and a.shape[-2] != 1:
+        return (b @ a.mT)[..., 0, :]
+    return (a * b).sum(-1)
+
+
 # torch's spelling of the functions a backward map may hold (``Backward.maps``)
 TORCH_FUNCS = {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "Abs": torch.abs,
-               "tanh": torch.tanh, "sign": torch.sign, "Where": torch.where}
+               "tanh": torch.tanh, "sign": torch.sign, "Where": torch.where, "Dot": _dot}
 
 
 @dataclass(frozen=True)
@@ -37,7 +50,8 @@ class Gradient:
     """An op's derived backward: the algebra's ``Backward`` and how it runs: the backward
     cascade's own op (``<name>_backward``; None where it has no sum, ``Backward.is_map``),
     torch's elementwise ops for the maps (``maps``: gradient name -> (function, its
-    arguments as (name, taken as it is?)), made once at registration), and the other
+    arguments as (name, the axis a per-row value gains in a per-element map: -1, -2 for a
+    feature vector, None as it is)), made once at registration), and the other
     orientation's op (``<name>_backward_columns``)."""
 
     derived: Backward
@@ -52,12 +66,15 @@ class Gradient:
         streams = {s.name for s in derived.forward.streams}
         streams |= {g for o, g in derived.upstream.items() if o in derived.forward.elementwise}
         streams |= {s.selector for s in derived.selections}
+        vectors = set(derived.forward.vector_inputs) | {
+            g for o, g in derived.upstream.items() if o in vector_results(derived.forward)}
         out = {}
         for name, expr in maps.items():
             args = sorted(expr.free_symbols, key=lambda s: s.name)
             per_row = not any(a.name in streams for a in args)  # no stream axis to add
-            out[name] = (sp.lambdify(args, expr, modules=[TORCH_FUNCS]),
-                         tuple((a.name, per_row or a.name in streams) for a in args))
+            out[name] = (sp.lambdify(args, expr, modules=[TORCH_FUNCS]), tuple(
+                (a.name, None if per_row or a.name in streams else
+                 -2 if a.name in vectors else -1) for a in args))
         return out
 
     def run(self, values: dict, needed: set[str]) -> dict:
@@ -66,13 +83,16 @@ class Gradient:
         other orientation's kernel where a gradient needs it."""
         for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
             values[delta] = (values[up] * values[o]).sum(-1)
+        length = _length(self.derived, values)
+        stream = values[self.derived.forward.streams[0].name]
+        values[N.name] = torch.tensor(float(length), dtype=stream.dtype)  # maps read N
         for s in self.derived.selections:
-            values |= _selected(s, values, _length(self.derived, values))
+            values |= _selected(s, values, length)
         out = {}
         if self.op is not None:
             out = dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
                            strict=True))
-        out |= {name: f(*(_per_element(values[a], as_is) for a, as_is in args))
+        out |= {name: f(*(_per_element(values[a], axis) for a, axis in args))
                 for name, (f, args) in self.maps.items() if name in needed}
         if self.columns is not None and needed & set(self.columns.outputs):
             laid = column_values(self.derived, values | out, self.columns.inputs,
@@ -111,8 +131,9 @@ def _rows(derived: Backward, values: dict) -> tuple[int, ...]:
     return shape[:-1] if per_element else shape
 
 
-def _per_element(value, stream: bool):
-    """A per-row value broadcast over the stream axis (a stream is as it is)."""
-    if stream or not isinstance(value, torch.Tensor) or value.dim() == 0:
+def _per_element(value, axis: int | None):
+    """A per-row value broadcast over the stream axis: a scalar per row gains it last, a
+    feature vector before its features (a stream is as it is)."""
+    if axis is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value
-    return value.unsqueeze(-1)
+    return value.unsqueeze(axis)

@@ -42,6 +42,8 @@ CASES = {
     "rmsnorm": ("y", _rmsnorm, {"x": "normal", "g": "weight", "eps": EPS}),
     "l2_normalize": ("y", lambda x: x / x.norm(dim=-1, keepdim=True), {"x": "normal"}),
     "variance": ("var", lambda x: x.var(-1, unbiased=False), {"x": "normal"}),
+    "rmsnorm_gemm": ("y", lambda x, eps, w: _rmsnorm(x, torch.ones_like(x), eps) @ w,
+                     {"x": "normal", "eps": EPS, "w": "matrix"}),
     # its max is differentiated at its selection (the adjoint's 0 is not proven symbolically)
     "softmax_entropy": ("h", lambda x, t: torch.distributions.Categorical(
         logits=x / t).entropy(), {"x": "normal", "T": 0.7}),
@@ -53,6 +55,8 @@ def _make(kind, rows: int, n: int, g: torch.Generator):
         return kind
     if kind == "weight":  # shared by the rows: its gradient sums over them
         return torch.rand(n, generator=g) + 0.5
+    if kind == "matrix":  # a GEMM's weight, N x 6 (rmsnorm_gemm: dw in the other orientation)
+        return torch.randn(n, 6, generator=g) / math.sqrt(n)
     if kind == "soft_target":
         return torch.softmax(torch.randn(rows, n, generator=g), -1)
     x = torch.randn(rows, n, generator=g) * (3.0 if kind == "logits" else 1.0)
@@ -115,7 +119,7 @@ def test_eager_gradients_match_torch_autograd_of_the_float64_reference(name, row
                             _torch_gradients(name, inputs, upstream), name)
 
 
-@pytest.mark.parametrize("name", ["softmax", "layernorm", "cross_entropy"])
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "cross_entropy", "rmsnorm_gemm"])
 def test_gradients_under_torch_compile_fullgraph(name):
     inputs = _inputs(name, 4, 24, seed=7)
     out = CASES[name][1](*(v.double() if isinstance(v, torch.Tensor) else v
@@ -305,6 +309,8 @@ GRADCHECK = {
     "rmsnorm": lambda g: {"x": _float64(g, 2, 5), "eps": torch.tensor(
         0.1, dtype=torch.float64, requires_grad=True), "g": _float64(g, 5)},
     "moe_routing": lambda g: {"x": _float64(g, 2, 9)},
+    "rmsnorm_gemm": lambda g: {"x": _float64(g, 2, 5), "eps": torch.tensor(
+        0.1, dtype=torch.float64, requires_grad=True), "w": _float64(g, 5, 3)},
     "softmax_entropy": lambda g: {"x": _float64(g, 2, 5), "T": torch.tensor(
         0.7, dtype=torch.float64, requires_grad=True)},
     "attention": lambda g: {"q": _float64(g, 2, 3, 2), "k": _float64(g, 2, 1, 3, 2),
@@ -326,6 +332,7 @@ def test_gradcheck_on_the_float64_oracle_path(name):
     inputs = GRADCHECK[name](torch.Generator().manual_seed(5))
     op = rt.op(name, name=f"{name}_gradcheck", tune=False)
     differentiated = {"softmax": "y", "log_softmax": "y", "layernorm": "y", "rmsnorm": "y",
+                      "rmsnorm_gemm": "y",
                       "moe_routing": "p", "softmax_entropy": "h", "attention": "o"}.get(
         name, "loss")
     index = op.outputs.index(differentiated)
