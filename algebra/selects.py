@@ -140,3 +140,25 @@ def leaves(e: sp.Expr, mask: Boolean = sp.true) -> list[tuple[Boolean, sp.Expr]]
 def masked(mask: Boolean, value: sp.Expr) -> sp.Expr:
     """``value`` on the elements of ``mask``, 0 elsewhere."""
     return Where(mask, value, sp.S.Zero)
+
+
+def common_out(e: sp.Expr) -> sp.Expr:
+    """``where(c, a * f, b * f)`` as ``f * where(c, a, b)`` for every factor ``f`` the branches
+    share (exact under select semantics: a NaN in f reaches the result either way).
+
+    Examples
+    --------
+    >>> x, w, t = sp.symbols("x w t", real=True)
+    >>> common_out(Where(x > t, 2 * w * sp.exp(x), -w * sp.exp(x)))
+    w*exp(x)*where(x > t, 2, -1)
+    """
+    if not isinstance(e, Where):
+        return e
+    c, a, b = (e.args[0], *(sp.factor_terms(common_out(x)) for x in e.args[1:]))
+    shared = set(sp.Mul.make_args(a)) & set(sp.Mul.make_args(b)) - {sp.S.One}
+    if not shared or a == 0 or b == 0:
+        return Where(c, a, b)
+    def rest(x):
+        return sp.Mul(*(f for f in sp.Mul.make_args(x) if f not in shared))
+
+    return sp.Mul(*shared) * Where(c, rest(a), rest(b))

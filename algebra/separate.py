@@ -34,7 +34,7 @@ import sympy as sp
 from .addition import PHASE, exp_form, is_wave, mixes, wave_parts
 from .errors import NotFusable
 from .refusals import WHY, culprit
-from .selects import leaves, masked
+from .selects import common_out, leaves, masked
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,11 @@ def linear_blocks(name: str, body: sp.Expr, anchors: set, streams: set,
                               not e.is_polynomial(*(e.free_symbols & anchors)))
 
     groups: dict[tuple, dict[tuple, sp.Expr]] = {}
-    for mask, leaf in leaves(exp_form(body, anchors)):
+    # with no anchor nothing is re-anchored: the sum runs as written, one select per element
+    # (the branches' common factors taken out: a vector factor multiplies the chosen scalar)
+    # instead of one sum per leaf
+    pieces = [(sp.true, common_out(body))] if not anchors else leaves(exp_form(body, anchors))
+    for mask, leaf in pieces:
         for expo, rest in _split_terms(leaf, opens):
             for part in wave_parts(name, rest, anchors, streams):
                 _add_term(name, expo, part, mask, anchors, streams, groups, in_state)

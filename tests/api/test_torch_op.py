@@ -29,7 +29,9 @@ def _tensors(inputs: dict, scalars) -> dict:
 def _check(name: str, outs: tuple, inputs: dict):
     op = rt.op(name)
     ref = redfuser.reference(name, inputs)
-    for out_name, got in zip(op.outputs, outs, strict=True):
+    # the raw torch op returns what its backward saves after the declared outputs
+    # (rmsnorm_gemm's hidden r_sum)
+    for out_name, got in zip(op.outputs, outs[:len(op.outputs)], strict=True):
         if got.dtype == torch.int64:
             assert_indices_equal(got.numpy(), ref[out_name], out_name)
         else:
@@ -44,7 +46,8 @@ def test_eager_call_matches_the_oracle(name):
     outs = getattr(torch.ops.redfuser, name)(*(args[k] for k in op.inputs))
     _check(name, outs, inputs)
     fake = rt.output_specs(op.kernel.rule, args)  # the fake implementation's answer
-    assert [(tuple(o.shape), o.dtype) for o in outs] == list(fake.values())
+    assert [(tuple(o.shape), o.dtype) for o in outs[:len(op.outputs)]] == [
+        fake[n] for n in op.outputs]
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])  # True: detached, still no copy
