@@ -11,8 +11,9 @@ or parameter ``a``: where ``db/da = c(a) * b`` (exp(x - m): c = -1) that is ``c 
 sum; otherwise the adjoint of R is *materialised* as a line of the backward spec
 (``g_R = ... + sum(...)``) and read as an anchor, which makes the backward a cascade that
 the same engine fuses and proves.  A max/min reduction passes nothing where the outputs do
-not depend on it (a stabiliser: softmax's m), which is proven, not assumed; otherwise the
-backward is refused.  The stream's gradient is a per-element output:
+not depend on it (a stabiliser: softmax's m), which is proven, not assumed; otherwise it
+is differentiated at its selection, as a top-k result is (``algebra.backward_selections``).
+The stream's gradient is a per-element output:
 ``dx[i] = sum_y dy[i] dy/dx + sum_R g_R db_R/dx``.
 
 What the forward keeps is derived: the per-row results the backward spec reads (``saved``);
@@ -56,6 +57,7 @@ from .adjoint import (
 )
 from .backward_proof import prove
 from .backward_selections import Selection, contracted_selections, rewritten, selection
+from .backward_text import spelling, written
 from .backward_vectors import ROLES, column_text, contracted, solved_hidden, tidied
 from .cascade import POSITION, Cascade
 from .errors import NoBackward
@@ -71,7 +73,7 @@ INDEX_RETURNS = ("index", "indices_k")  # a law's ``returns`` for an integer res
 # why a gradient or a whole backward is refused, as data: reason -> message template
 REFUSALS = {
     "index": "{name} is an index: integer outputs have no gradient",
-    "op": "{name} = {op}(...): only sum reductions and max/min stabilisers are "
+    "op": "{name} = {op}(...): only sum reductions and selections (max, min, top-k) are "
           "differentiated",
 }
 
@@ -381,52 +383,10 @@ def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
     return streams, params, columns, refused
 
 
-def _spelling(c: Cascade, per_element: set[str]):
-    """How a symbol is spelled in a spec: a stream ``x[i]`` (``v[i, :]``), else its name."""
-    def name(s: sp.Symbol) -> str:
-        if s.name in c.vector_inputs and s.name in per_element:
-            return f"{s.name}[i, :]"
-        return f"{s.name}[i]" if s.name in per_element else s.name
-    return name
-
-
-def written(c: Cascade, selections: tuple[Selection, ...] = ()) -> str:
-    """The cascade as spec text with every reduction its own named line (a hidden one,
-    such as log_softmax's ``lse_sum``, becomes an output), and the index result each
-    selection needs where the spec has none (``p_at = argmax(...)``).
-
-    Examples
-    --------
-    >>> from algebra.spec import parse
-    >>> print(written(parse("m = max(x[i])\\nlse = log(sum(exp(x[i] - m))) + m")))
-    m = max(x[i])
-    lse_sum = sum(exp(-m + x[i]))
-    lse = m + log(lse_sum)
-    """
-    name, reductions = _spelling(c, {s.name for s in c.streams}), {r.name: r for r in
-                                                                   c.reductions}
-    lines = []
-    for result in results_in_order(c):
-        if result in reductions:
-            r = reductions[result]
-            k = f", {r.k}" if r.k else ""
-            lines.append(f"{result} = {r.op}({spec_text(r.body, name, NoBackward)}{k})")
-        else:
-            lines.append(f"{result} = {spec_text(c.epilogues[result], name, NoBackward)}")
-    for s in selections:
-        if s.adds_index:
-            r, k = reductions[s.result], f", {s.k}" if s.k else ""
-            lines.append(f"{s.index} = {LAWS[r.op].at}({spec_text(r.body, name, NoBackward)}{k})")
-    lines += [f"{y}[i] = {spec_text(e, name, NoBackward)}" for y, e in c.elementwise.items()]
-    return "\n".join(lines)
-
-
 def _spec_text(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], streams) -> str:
-    name = _spelling(c, {s.name for s in c.streams} | set(sw.selectors) | {
+    name = spelling(c, {s.name for s in c.streams} | set(sw.selectors) | {
         up[o].name for o in up if o in c.elementwise})
     lines = [f"{g} = {spec_text(spelled(e), name, NoBackward)}" for g, e in sw.lines
              if e.has(RowSum)]  # a per-row map (no sum) is run by the caller: ``maps``
     lines += [f"{g}[i] = {spec_text(spelled(e), name, NoBackward)}" for _, g, e in streams]
     return "\n".join(lines)
-
-
