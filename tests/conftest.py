@@ -10,7 +10,7 @@ its ``@reproduce_failure`` blob); add it as an explicit test.  Example counts ar
 modest: ``evaluate`` folds elements one at a time in Python, and the whole suite must stay
 within a few minutes on two cores.
 
-The shared helpers (strategies, comparisons, factories) live in tests/support.py: a conftest
+The shared helpers (strategies, comparisons, factories) live in tests/support/: a conftest
 is pytest's, not a module to import from.
 """
 

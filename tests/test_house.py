@@ -1,4 +1,4 @@
-"""House rules of the test tree itself: test modules share helpers through tests/support.py,
+"""House rules of the test tree itself: test modules share helpers through tests/support/,
 never by importing one another (a test module imported elsewhere runs its module-level setup
 twice and ties unrelated files together)."""
 

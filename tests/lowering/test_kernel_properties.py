@@ -5,7 +5,7 @@ vectors), ``derive`` proves it, and every variant's kernel must match the float6
 Tolerance: the kernel computes in float32, the oracle in float64 on the same (float32)
 inputs.  A cascade may be ill-conditioned (``sum(x - mean)`` is all cancellation), so the
 bound is taken from the problem itself: how far the float64 results move when the inputs and
-every intermediate result move by a few float32 ulps (``sensitivity`` in tests/support.py; the
+every intermediate result move by a few float32 ulps (``support.generated.sensitivity``; the
 spec's *twin* multiplies each use of a result by a per-row 1 + u), times a safety factor, plus
 float32 rounding of the result (rtol 1e-4: sums over N <= 40 elements, exp/log within 1e-7).
 """

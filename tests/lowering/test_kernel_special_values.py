@@ -1,7 +1,7 @@
 """Generated cascades through ``compile``, fed NaN, infinities, ties and huge values, in every
 variant: the kernel must put NaN, +inf and -inf exactly where the float64 oracle has them,
 pick the same indices, and match it elsewhere.  The cascades and the tolerance are those of
-test_kernel_properties.py (``cascades`` and ``sensitivity`` in tests/support.py: the twin
+test_kernel_properties.py (``cascades`` and ``sensitivity`` in tests/support/generated.py: the twin
 moves inputs and results by a few float32 ulps; where that flips the oracle to or from
 NaN/inf, or moves it by half its size, no float32 computation can be held to it).
 Derandomized by default (tests/conftest.py).
