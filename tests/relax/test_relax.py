@@ -24,7 +24,7 @@ from redfuser.tvm.cuda import cuda_source, nvcc_compile
 from redfuser.tvm.graph import import_torch, relax
 from redfuser.tvm.ir import structural_equal
 from redfuser.tvm.target import cuda_target
-from tests.support import KERNEL_TOL, needs_nvcc
+from tests.support import KERNEL_TOL, needs_nvcc, softmax_module
 
 TOL = dict(atol=KERNEL_TOL, rtol=KERNEL_TOL)
 
@@ -323,21 +323,11 @@ def test_relax_native_rms_norm_and_variance():
     np.testing.assert_allclose(got[1], a.astype(np.float64).var(-1, keepdims=True), **TOL)
 
 
-def _softmax_module(shape: tuple):
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit_output(relax.op.nn.softmax(x))
-        bb.emit_func_output(y)
-    return bb.get()
-
-
 def test_kernel_outputs_only_what_the_module_reads():
     """Softmax's max and sum feed its per-element output alone: they stay in the kernel's
     own buffers, and the call returns the softmax (one tensor, not a tuple with the
     statistics)."""
-    mod = _softmax_module((6, 40))
+    mod = softmax_module((6, 40))
     fused, report = fuse_module(mod)
     kernel = fused[report.groups[0].kernel]
     assert len(kernel.params) == 2, kernel.script()  # x and the softmax
@@ -389,68 +379,6 @@ def test_real_model_matches_pytorch(example):
     assert report.found == report.fused == example.cascades, str(report)
     for g, e in zip(got, expected, strict=True):
         np.testing.assert_allclose(g, e, **TOL)
-
-
-@pytest.mark.parametrize("fused", [False, True])
-def test_run_takes_numpy_arrays_at_any_16_byte_alignment(fused):
-    """Regression (shared repro relax_run_segfault.py): TVM's own kernels in a Relax
-    executable assume 64-byte aligned tensors; ``run`` used to hand over numpy's memory as
-    it was and crashed the interpreter at addresses 16, 32 or 48 mod 64."""
-    executable, _ = build(_softmax_module((64, 1024)), fuse=fused)
-    raw = np.random.default_rng(0).normal(size=64 * 1024 + 16).astype(np.float32)
-    for offset in range(4):  # 0, 16, 32 and 48 bytes past wherever raw starts
-        a = raw[4 * offset:4 * offset + 64 * 1024].reshape(64, 1024)
-        out = run(executable, a)
-        ref = np.exp(a - a.max(1, keepdims=True))
-        np.testing.assert_allclose(out, ref / ref.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("keep,fill", [(False, -np.inf), (False, -1e30), (True, -np.inf),
-                                       (True, -1e30)])
-def test_masks_keep_select_semantics_with_garbage_in_masked_slots(keep, fill):
-    """Regression (relax_mask_garbage.py): where(mask, -inf, s) used to become
-    s + where(mask, -inf, 0), so +inf or NaN in a masked slot poisoned the row."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((2, 8), "float32"))
-    m = relax.Var("m", relax.TensorType((2, 8), "bool"))
-    with bb.function("main", [x, m]):
-        with bb.dataflow():
-            k = relax.const(fill, "float32")
-            s = bb.emit(relax.op.where(m, x, k) if keep else relax.op.where(m, k, x))
-            y = bb.emit_output(relax.op.nn.softmax(s))
-        bb.emit_func_output(y)
-    executable, report = build(bb.get())
-    assert (report.found, report.fused) == (1, 1), str(report)
-    xa = np.arange(16, dtype=np.float32).reshape(2, 8) / 4
-    xa[:, 6], xa[:, 7] = np.inf, np.nan
-    masked = np.zeros((2, 8), bool)
-    masked[:, 5:] = True
-    mask = ~masked if keep else masked
-    s = np.where(masked, -np.inf, xa).astype(np.float64)
-    ref = np.exp(s - s.max(1, keepdims=True))
-    np.testing.assert_allclose(run(executable, xa, mask), ref / ref.sum(1, keepdims=True),
-                               rtol=1e-6, atol=1e-7)
-
-
-def test_padding_mask_with_nan_keys_matches_pytorch():
-    """Regression (relax_attention_nan_padding.py): NaN in padded (masked) key rows."""
-
-    class Attn(nn.Module):
-        def forward(self, q, k, v, pad):
-            s = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(
-                pad[:, None, None, :], float("-inf"))
-            return F.softmax(s, -1) @ v
-
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 16, 8) for _ in range(3))
-    pad = torch.zeros(2, 16, dtype=torch.bool)
-    pad[1, 10:] = True
-    k[1, :, 10:] = float("nan")
-    ref = Attn()(q, k, v, pad).numpy()
-    executable, report = build(import_torch(Attn(), (q, k, v, pad)))
-    assert report.fused >= 1, str(report)
-    (out,) = run(executable, *[t.numpy() for t in (q, k, v, pad)])
-    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
 class _PostProjection(nn.Module):

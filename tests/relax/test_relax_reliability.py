@@ -2,12 +2,15 @@
 module: masked softmax rows that are NaN in PyTorch stay NaN (repro
 r2_relax_fully_masked_softmax.py, and torch.export's safe softmax on rows with a NaN or
 +inf score), low-precision cascades are left as they are with the reason, and an
-unexpected failure while lifting one candidate is reported, not raised.
+unexpected failure while lifting one candidate is reported, not raised; numpy arrays at any
+16-byte alignment run, and masked slots holding inf or NaN never reach the result.
 
 References are PyTorch's own outputs (eager), never the code under test.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -16,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from redfuser.relax import build, driver, fuse_module, ops, run
-from redfuser.tvm.graph import import_torch
+from redfuser.tvm.graph import import_torch, relax
+from tests.support import softmax_module
 
 LOW = "redfuser kernels compute float32 only for now"
 
@@ -180,3 +184,65 @@ def test_an_unexpected_error_in_a_block_leaves_it_unchanged(monkeypatch, symboli
     fused, report = fuse_module(mod)
     assert report.fused == 0 and "block 0 not analysed: KeyError" in report.reasons()[0]
     assert fused.script() == mod.script()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_run_takes_numpy_arrays_at_any_16_byte_alignment(fused):
+    """Regression (shared repro relax_run_segfault.py): TVM's own kernels in a Relax
+    executable assume 64-byte aligned tensors; ``run`` used to hand over numpy's memory as
+    it was and crashed the interpreter at addresses 16, 32 or 48 mod 64."""
+    executable, _ = build(softmax_module((64, 1024)), fuse=fused)
+    raw = np.random.default_rng(0).normal(size=64 * 1024 + 16).astype(np.float32)
+    for offset in range(4):  # 0, 16, 32 and 48 bytes past wherever raw starts
+        a = raw[4 * offset:4 * offset + 64 * 1024].reshape(64, 1024)
+        out = run(executable, a)
+        ref = np.exp(a - a.max(1, keepdims=True))
+        np.testing.assert_allclose(out, ref / ref.sum(1, keepdims=True), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("keep,fill", [(False, -np.inf), (False, -1e30), (True, -np.inf),
+                                       (True, -1e30)])
+def test_masks_keep_select_semantics_with_garbage_in_masked_slots(keep, fill):
+    """Regression (relax_mask_garbage.py): where(mask, -inf, s) used to become
+    s + where(mask, -inf, 0), so +inf or NaN in a masked slot poisoned the row."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 8), "float32"))
+    m = relax.Var("m", relax.TensorType((2, 8), "bool"))
+    with bb.function("main", [x, m]):
+        with bb.dataflow():
+            k = relax.const(fill, "float32")
+            s = bb.emit(relax.op.where(m, x, k) if keep else relax.op.where(m, k, x))
+            y = bb.emit_output(relax.op.nn.softmax(s))
+        bb.emit_func_output(y)
+    executable, report = build(bb.get())
+    assert (report.found, report.fused) == (1, 1), str(report)
+    xa = np.arange(16, dtype=np.float32).reshape(2, 8) / 4
+    xa[:, 6], xa[:, 7] = np.inf, np.nan
+    masked = np.zeros((2, 8), bool)
+    masked[:, 5:] = True
+    mask = ~masked if keep else masked
+    s = np.where(masked, -np.inf, xa).astype(np.float64)
+    ref = np.exp(s - s.max(1, keepdims=True))
+    np.testing.assert_allclose(run(executable, xa, mask), ref / ref.sum(1, keepdims=True),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_padding_mask_with_nan_keys_matches_pytorch():
+    """Regression (relax_attention_nan_padding.py): NaN in padded (masked) key rows."""
+
+    class Attn(nn.Module):
+        def forward(self, q, k, v, pad):
+            s = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(
+                pad[:, None, None, :], float("-inf"))
+            return F.softmax(s, -1) @ v
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 16, 8) for _ in range(3))
+    pad = torch.zeros(2, 16, dtype=torch.bool)
+    pad[1, 10:] = True
+    k[1, :, 10:] = float("nan")
+    ref = Attn()(q, k, v, pad).numpy()
+    executable, report = build(import_torch(Attn(), (q, k, v, pad)))
+    assert report.fused >= 1, str(report)
+    (out,) = run(executable, *[t.numpy() for t in (q, k, v, pad)])
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)

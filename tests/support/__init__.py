@@ -19,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 import redfuser
 from algebra.library import STAGED
+from redfuser.tvm.graph import relax
 
 # the generated specs and cascades live in their own module; test modules import them from here
 from tests.support.generated import SAFETY as SAFETY
@@ -268,6 +269,19 @@ def loose_compare(fused, ref):
         else:
             atol = 1e-4 * (1.0 + finite_max_abs(ref[name]))
             assert_matches(fused[name], ref[name], RULE_RTOL, atol, name)
+
+
+# -- Relax modules -------------------------------------------------------------------------
+
+def softmax_module(shape: tuple):
+    """A Relax module whose main is ``softmax(x)`` over the last axis of a float32 ``x``."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.softmax(x))
+        bb.emit_func_output(y)
+    return bb.get()
 
 
 # -- hangs ----------------------------------------------------------------------------------
