@@ -59,7 +59,7 @@ from .backward_proof import prove
 from .backward_selections import Selection, contracted_selections, rewritten, selection
 from .backward_text import spelling, written
 from .backward_vectors import ROLES, column_text, contracted, solved_hidden, tidied
-from .cascade import POSITION, Cascade
+from .cascade import POSITION, Cascade, N
 from .errors import NoBackward
 from .functions import Where
 from .laws import LAWS
@@ -104,10 +104,14 @@ class Backward:
 
     @property
     def is_map(self) -> bool:
-        """No sum in the backward: each gradient is a map of the saved values (logsumexp's
-        dx = dlse * exp(x - lse)), which the spec language, a language of reductions,
-        does not spell as a kernel; ``maps`` holds it for the caller to run."""
-        return "sum(" not in self.spec
+        """Nothing for a kernel: no gradient reads a stream, so each is a per-row value (a
+        learned eps's) or one broadcast along the row (a mean's dx = dr / N), which ``maps``
+        holds for the caller to run.  A per-element gradient that reads the row with no sum
+        (logsumexp's dx = dlse * exp(x - lse)) is a line of the spec: a map kernel."""
+        streams = {s.name for s in self.forward.streams} | {
+            g for o, g in self.upstream.items() if o in self.forward.elementwise}
+        read = {s.name for e in self.maps.values() for s in sp.sympify(e).free_symbols}
+        return "sum(" not in self.spec and not streams & read
 
     @property
     def proven(self) -> bool:
@@ -150,6 +154,7 @@ class _Sweep:
     sym: dict[str, sp.Symbol]
     taken: set[str]
     selectors: frozenset[str] = frozenset()  # per-element inputs of the selections
+    upstream: frozenset[sp.Symbol] = frozenset()  # the per-element outputs' upstreams
     adjoint: dict[str, Adjoint] = field(default_factory=lambda: defaultdict(Adjoint))
     lines: list[tuple[str, sp.Expr]] = field(default_factory=list)  # per-row lines, in order
     held: dict[str, sp.Expr] = field(default_factory=dict)  # result -> its adjoint's value
@@ -159,14 +164,19 @@ class _Sweep:
         self.taken.add(out)
         return out
 
+    @property
+    def per_element(self) -> set[sp.Symbol]:
+        return {*self.c.streams, POSITION, *self.upstream,
+                *(sp.Symbol(s, real=True) for s in self.selectors)}
+
     def value_of(self, result: str) -> sp.Expr:
         """The adjoint of ``result`` as one per-row value: inline where it has no sum,
         else a line ``g_<result> = row + sum(body)`` of the backward spec, read by name."""
         if result not in self.held:
             a = self.adjoint[result]
             body = sp.simplify(a.body)
-            if body == 0:
-                self.held[result] = sp.simplify(a.row)
+            if not body.free_symbols & self.per_element:  # sum(c) = N * c: no sum to run
+                self.held[result] = sp.simplify(a.row + N * body)
             else:
                 g = sp.Symbol(self.name(f"g_{result}"), real=True)
                 self.lines.append((g.name, a.row + RowSum(body)))
@@ -179,14 +189,20 @@ def terminal_outputs(c: Cascade) -> tuple[str, ...]:
     differentiates by default; the others are statistics the forward saves, and indices
     have no gradient."""
     read = {s.name for e in expressions_of(c) for s in e.free_symbols}
-    indices = {r.name for r in c.reductions if LAWS[r.op].returns in INDEX_RETURNS}
-    return tuple(o for o in c.outputs if o not in read | indices)
+    return tuple(o for o in c.outputs if o not in read | set(_indices(c)))
+
+
+def _indices(c: Cascade) -> list[str]:
+    return [r.name for r in c.reductions if LAWS[r.op].returns in INDEX_RETURNS]
 
 
 def backward(c: Cascade, outputs: tuple[str, ...] | None = None) -> Backward:
     """The backward cascade of ``c`` for the gradients of ``outputs`` (default: the
     ``terminal_outputs``), derived and proven (module docstring)."""
     outputs = terminal_outputs(c) if outputs is None else tuple(outputs)
+    if not outputs:  # argmax alone: nothing to differentiate, not a kernel writing zeros
+        raise NoBackward("no output to differentiate: " + "; ".join(
+            refusal("index", name=o) for o in _indices(c) if o in c.outputs))
     _check_outputs(c, outputs)
     with time_budget(DERIVE_BUDGET_S.value), budget_raises(NoBackward):
         return _derived(c, outputs)
@@ -244,7 +260,8 @@ def _swept(forward: Cascade, c: Cascade, selections: list[Selection], seeds, up,
     while True:
         here = rewritten(c, selections)
         sw = _Sweep(here, symbols_of(here), set(taken),
-                    frozenset(s.selector for s in selections))
+                    frozenset(s.selector for s in selections),
+                    frozenset(up[o] for o in up if o in here.elementwise))
         try:
             return sw, _sweep(sw, seeds, up)
         except _Selects as e:
@@ -337,9 +354,8 @@ def _through_sum(sw: _Sweep, red, s: sp.Symbol, a: Adjoint) -> Adjoint:
     pole: x * m gives 1/m), that is c * red; else one more sum."""
     db = diff(red.body, s)
     ratio = _ratio(db, red.body)
-    per_element = {*sw.c.streams, POSITION, *(sp.Symbol(s, real=True) for s in sw.selectors)}
     new_pole = sp.denom(ratio).free_symbols - sp.denom(sp.together(db)).free_symbols
-    if not ratio.free_symbols & per_element and not new_pole:
+    if not ratio.free_symbols & sw.per_element and not new_pole:
         return a.times(ratio * sw.sym[red.name])
     return Adjoint(body=sw.value_of(red.name) * db)  # inline where the adjoint has no sum
 

@@ -63,8 +63,7 @@ def _derive(spec: str, passes: int | str = 1) -> FusionRule | StagedRule:
 def derive_cascade(cascade: Cascade, name: str | None = None) -> FusionRule:
     """The proven one-pass rule of a lifted cascade (``NotFusable`` if it has none)."""
     components = derive_components(cascade)  # stages 3-4: separate each body, derive its state
-    with charged_to(cascade.reductions[-1]):
-        running = running_values(cascade, components)
+    running = running_values(cascade, components)
     obligations = [(c, o) for c in components for o in c.obligations]
     status = []
     for comp, o in obligations:  # stage 5: prove

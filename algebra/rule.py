@@ -127,9 +127,13 @@ class FusionRule:
             ("update (one element; primes mark new values)", self.update_lines()),
             ("merge (two partial states L, R)", self.merge_lines()),
             (f"finalize ({self.count} = N)", self.finalize_lines()),
-            ("per element (second pass over the stream)", self.elementwise_lines()),
+            (f"per element ({self._elementwise_pass})", self.elementwise_lines()),
             ("stash (per-element outputs written by the statistics pass)", self.stash_lines()),
         ]
+
+    @property
+    def _elementwise_pass(self) -> str:
+        return "second pass over the stream" if self.components else "one pass: a map, no reduction"
 
     def __str__(self) -> str:
         proven = sum(self.status)

@@ -79,9 +79,9 @@ class _Lifter(ExpressionLifter):
 
     def check(self):
         """Whole-spec checks, once every feature axis is known."""
-        if not self.reductions:
+        if not self.reductions and not self.elementwise:  # a map (y[i] = ...) is a cascade
             raise SpecError("the spec has no reduction (sum, max, min, prod, argmax, argmin, "
-                            "topk, argtopk)", 1, 1)
+                            "topk, argtopk) and no per-element output (y[i] = ...)", 1, 1)
         for name, stmt in self.assigned.items():
             if name not in self.outputs and name not in self.read:
                 fail(stmt, f"'{name}' is computed but never used: write {name}[i] = ... for "

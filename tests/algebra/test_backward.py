@@ -90,7 +90,7 @@ def test_a_selection_routes_its_upstream_to_the_elements_the_forward_selected():
     b = derive("moe_routing").backward()
     (s,) = b.selections
     assert (s.selector, s.index, s.upstream, s.adds_index) == ("sel_p", "e", "dp", False)
-    assert b.saved == ("d", "e", "m", "p") and b.is_map and "sel_p[i]" in b.spec
+    assert b.saved == ("d", "e", "m", "p") and not b.is_map and "sel_p[i]" in b.spec
     assert str(b.maps["dx"]) == "(-delta_p + sel_p)*exp(-m + x)/d"
     assert "each of the 6 choices of p" in str(b)
     g = derive("greedy_token").backward()
@@ -230,3 +230,17 @@ def test_generated_backward_kernels_match_differences_of_the_oracle(specs, seed,
         scale = np.max(np.abs(want), axis=-1, keepdims=True)
         bad = ~(np.abs(got - want) <= TOL * (1 + scale))
         assert not bad.any(), f"{spec!r}: {grad} = {got[bad]}, differences {want[bad]}"
+
+
+def test_a_backward_with_nothing_to_differentiate_is_refused_by_name():
+    with pytest.raises(NoBackward, match="p is an index: integer outputs have no gradient"):
+        derive("m = max(x[i])\np = argmax(x[i] - m)").backward()
+
+
+@pytest.mark.parametrize("spec, dx", [
+    ("r = sum(x[i]) / N", "dr/N"),  # a broadcast of the upstream: no kernel
+    ("m = sum(x[i]) / N\nr = sum(x[i] - m)", "0"),  # sum(c) = N * c, so r is 0 for any x
+])
+def test_a_sum_of_a_row_constant_is_n_times_it_and_needs_no_kernel(spec, dx):
+    b = derive(spec).backward()
+    assert b.proven and b.is_map and "sum(" not in b.spec and str(b.maps["dx"]) == dx

@@ -244,3 +244,28 @@ def test_dots_along_the_feature_axis_match_the_oracle(name):
     want = redfuser.reference(name, {k: np.asarray(v, np.float64) for k, v in inputs.items()})
     for out in want:
         assert_matches(got[out], want[out], KERNEL_TOL, KERNEL_TOL, out)
+
+
+MAP_SPEC = "dx[i] = dl * (exp(x[i] - m) / d - t[i])"  # cross-entropy's dx: no reduction
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n", [0, 1, 9])
+def test_a_spec_of_per_element_lines_only_is_a_map_kernel(variant, n):
+    rule = redfuser.derive(MAP_SPEC)
+    assert "per element (one pass: a map, no reduction)" in str(rule)
+    x = rng.normal(size=(3, n)).astype(np.float32)
+    if n > 1:
+        x[1, 0], x[2, 1] = -np.inf, np.nan  # exp(-inf) = 0 and NaN stay where they are
+    inputs = {"x": x, "t": rng.normal(size=(3, n)).astype(np.float32),
+              "dl": rng.normal(size=3).astype(np.float32),
+              "m": np.abs(rng.normal(size=3)).astype(np.float32),
+              "d": (1 + rng.random(3)).astype(np.float32)}
+    check(MAP_SPEC, inputs, variant)
+
+
+def test_a_map_that_reads_no_stream_asks_for_its_length():
+    kernel, a = redfuser.compile("y[i] = a * 2 + i", tune=False), np.ones(2, np.float32)
+    with pytest.raises(ValueError, match="streams only the index i: pass N="):
+        kernel(a=a)
+    np.testing.assert_array_equal(kernel(a=a, N=3)["y"], [[2, 3, 4], [2, 3, 4]])
