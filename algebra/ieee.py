@@ -98,6 +98,9 @@ class AsWritten(Named):
     def fdiff(self, argindex=1):
         return sp.S.One
 
+    def _redfuser_spec(self, printer):  # the operand as written; parsing wraps it again
+        return f"({printer._print(self.args[0])})"
+
     def _eval_is_extended_real(self):
         return self.args[0].is_extended_real
 

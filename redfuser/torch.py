@@ -43,9 +43,10 @@ import numpy as np
 import torch
 
 from algebra import FusionRule, NoBackward, derive, reference
+from algebra.backward_shared import scalar_gradients, shared_sums, without
 
 from .kernel import Kernel
-from .torch_gradient import Gradient
+from .torch_gradient import Gradient, Shared
 from .torch_shapes import float_dtype, output_specs
 
 NAMESPACE = "redfuser"
@@ -223,15 +224,30 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
         return str(e)
     if not derived.proven:
         return "its backward did not prove (redfuser derive --backward shows the proof)"
-    kernel = None
-    if not derived.is_map:
-        grad_scalars = tuple(s for s in scalars if s in derived.spec)
-        kernel = op(derived.spec, f"{name}_backward", grad_scalars, differentiable=False,
-                    **options)
+    kernel, spec = None, without(derived.spec, scalar_gradients(derived, scalars))
+    if not derived.is_map and spec:
+        grad_scalars = tuple(s for s in scalars if s in spec)
+        kernel = op(spec, f"{name}_backward", grad_scalars, differentiable=False, **options)
     maps = {g: e for g, e in derived.maps.items() if kernel is None or g not in kernel.outputs}
     columns = op(derived.columns, f"{name}_backward_columns", differentiable=False,
                  **options) if derived.columns else None
-    return Gradient(derived, kernel, Gradient.maps_of(derived, maps), columns)
+    shared = None if kernel is None else _shared(derived, name, scalars, options)
+    return Gradient(derived, kernel, Gradient.maps_of(derived, maps), columns, shared)
+
+
+def _shared(derived, name: str, scalars, options) -> Shared | None:
+    """The ops that sum the gradients of inputs every row shares (``backward_shared``):
+    ``<name>_backward_shared``, and ``<name>_backward_rows`` for the rest."""
+    sums = shared_sums(derived, tuple(scalars))
+    if sums is None:
+        return None
+
+    def spec_op(spec: str, suffix: str) -> CascadeOp:
+        rule = derive(spec)
+        used = tuple(s for s in scalars if s in rule.cascade.names)
+        return op(rule, f"{name}_backward_{suffix}", used, differentiable=False, **options)
+    return Shared(sums, spec_op(sums.sums, "shared"),
+                  spec_op(sums.rows, "rows") if sums.rows else None)
 
 
 def _register_autograd(torch_op, name: str, inputs: tuple[str, ...],
@@ -287,8 +303,10 @@ def _derived_backward(name: str, grad: Gradient, inputs: tuple, returned: tuple,
             result.append(_refuse_backward(f"{name}: no gradient of {n}: "
                                            f"{grad.derived.refused.get(n, '')}",
                                            [values[n]])[0])
-        else:
-            result.append(out[named[0]].sum_to_size(values[n].shape))
+        else:  # rows that share an input add up (a summed one has its shape already)
+            result.append(out[named[0]].sum_to_size(values[n].shape)
+                          if out[named[0]].numel() != values[n].numel()
+                          else out[named[0]].reshape(values[n].shape))
     return tuple(result)
 
 

@@ -6,6 +6,7 @@ selection's scattered upstream)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -14,6 +15,7 @@ import torch
 
 from algebra import Backward
 from algebra.backward_selections import Selection
+from algebra.backward_shared import SharedSums
 from algebra.backward_vectors import vector_results
 from algebra.cascade import N
 
@@ -46,6 +48,47 @@ TORCH_FUNCS = {"exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "Abs": to
 
 
 @dataclass(frozen=True)
+class Shared:
+    """The ops of ``algebra.backward_shared``: ``sums`` the gradients of inputs every row
+    shares (one pass over the rows), ``rows`` the row-parallel backward without them (None
+    where nothing is left)."""
+
+    of: SharedSums
+    sums: CascadeOp
+    rows: CascadeOp | None
+
+    def summed(self, derived: Backward, values: dict, needed: set[str]) -> set[str]:
+        """The needed gradients to sum over the rows: all of ``of.gradients`` that are
+        needed when each one's input is a single row every row shares (a LayerNorm weight
+        of shape (N,)), else none (their per-element values come from the full backward)."""
+        wanted = needed & set(self.of.gradients)
+        grads = {g: n for n, (g, _) in derived.gradients.items()}
+        length = _length(derived, values)
+        rows = math.prod(_rows(derived, values))
+        shared = {g for g in wanted if rows > 1 and values[grads[g]].numel() == length}
+        return wanted if wanted and shared == wanted else set()
+
+    def run(self, derived: Backward, values: dict) -> dict:
+        """The summed gradients, each of shape (N,), from the backward's inputs: the
+        forward's rows flattened into the column cascade's stream."""
+        n = _length(derived, values)
+        rows = _rows(derived, values)
+        streams = {s.name for s in derived.forward.streams} | {
+            g for o, g in derived.upstream.items() if o in derived.forward.elementwise}
+        args = []
+        for name in self.sums.inputs:
+            v = values[name]
+            if name == self.of.length:
+                v = torch.tensor(float(n))
+            elif isinstance(v, torch.Tensor) and name in streams:
+                v = v.expand(*rows, n).reshape(-1, n)
+            elif isinstance(v, torch.Tensor):
+                v = v.expand(rows).reshape(-1)
+            args.append(v)
+        return dict(zip(self.sums.outputs, self.sums(*args), strict=True))
+
+
+@dataclass(frozen=True)
 class Gradient:
     """An op's derived backward: the algebra's ``Backward`` and how it runs: the backward
     cascade's own op (``<name>_backward``; None where it has no sum, ``Backward.is_map``),
@@ -58,6 +101,7 @@ class Gradient:
     op: CascadeOp | None
     maps: dict = dataclasses.field(default_factory=dict)
     columns: CascadeOp | None = None  # gradients summed over the rows (``torch_columns``)
+    shared: Shared | None = None  # gradients of inputs every row shares, summed over them
 
     @staticmethod
     def maps_of(derived: Backward, maps: dict) -> dict:
@@ -88,12 +132,15 @@ class Gradient:
         values[N.name] = torch.tensor(float(length), dtype=stream.dtype)  # maps read N
         for s in self.derived.selections:
             values |= _selected(s, values, length)
-        out = {}
-        if self.op is not None:
-            out = dict(zip(self.op.outputs, self.op(*(values[n] for n in self.op.inputs)),
+        summed = self.shared.summed(self.derived, values, needed) if self.shared else set()
+        out, kernel = {}, self.shared.rows if summed else self.op
+        if kernel is not None and (needed - summed or not summed):
+            out = dict(zip(kernel.outputs, kernel(*(values[n] for n in kernel.inputs)),
                            strict=True))
+        if summed:
+            out |= self.shared.run(self.derived, values)
         out |= {name: f(*(_per_element(values[a], axis) for a, axis in args))
-                for name, (f, args) in self.maps.items() if name in needed}
+                for name, (f, args) in self.maps.items() if name in needed - summed}
         if self.columns is not None and needed & set(self.columns.outputs):
             laid = column_values(self.derived, values | out, self.columns.inputs,
                                  _rows(self.derived, values))

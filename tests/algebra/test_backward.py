@@ -23,6 +23,7 @@ from algebra import NoBackward, derive
 from algebra.backward import REFUSALS, written
 from algebra.backward_proof import Unrolled, is_zero, prove
 from algebra.backward_selections import rewritten
+from algebra.backward_shared import shared_sums
 from algebra.functions import Dot, Where
 from algebra.library import LIBRARY
 from algebra.spec import parse
@@ -244,3 +245,21 @@ def test_a_backward_with_nothing_to_differentiate_is_refused_by_name():
 def test_a_sum_of_a_row_constant_is_n_times_it_and_needs_no_kernel(spec, dx):
     b = derive(spec).backward()
     assert b.proven and b.is_map and "sum(" not in b.spec and str(b.maps["dx"]) == dx
+
+
+def test_shared_gradients_sum_over_the_rows_what_the_row_backward_writes_per_element():
+    b = derive("layernorm").backward()
+    s = shared_sums(b, scalars=("eps",))
+    assert s.gradients == ("dg", "db") and "n_stream" not in s.sums  # N unread: none passed
+    rows = parse(s.rows).outputs
+    assert "dx" in rows and not {"dg", "db", "deps"} & set(rows)  # nor a scalar's deps
+    rng = np.random.default_rng(5)
+    x, dy, g = rng.normal(size=(6, 9)), rng.normal(size=(6, 9)), rng.random(9) + 0.5
+    fwd = redfuser.reference(b.forward_spec, {"x": x, "g": g, "b": g, "eps": 1e-5})
+    given = {"x": x, "dy": dy, "g": np.broadcast_to(g, x.shape), "mean": fwd["mean"],
+             "var": fwd["var"], "eps": 1e-5}
+    per_element = redfuser.reference(b.spec, given)
+    summed = redfuser.reference(s.sums, {k: given[k] for k in ("x", "dy", "mean", "var",
+                                                              "eps")})  # stream: the rows
+    for name in s.gradients:
+        np.testing.assert_allclose(summed[name], per_element[name].sum(0), rtol=1e-12)

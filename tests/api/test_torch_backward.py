@@ -14,7 +14,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import redfuser.torch as rt
 
@@ -22,8 +21,9 @@ EPS = 1e-5
 TOL = 2e-5
 
 
-def _layernorm(x, g, b, eps):
-    return F.layer_norm(x, (x.shape[-1],), g, b, eps)
+def _layernorm(x, g, b, eps):  # written out: g and b may be each row's own
+    mean = x.mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(((x - mean) ** 2).mean(-1, keepdim=True) + eps) * g + b
 
 
 def _rmsnorm(x, g, eps):
@@ -339,3 +339,19 @@ def test_gradcheck_on_the_float64_oracle_path(name):
     args = tuple(inputs[n] for n in op.inputs)
     assert op(*args)[index].dtype == torch.float64
     assert torch.autograd.gradcheck(lambda *a: op(*a)[index], args)
+
+
+@pytest.mark.parametrize("g_shape", [(24,), (1, 1, 24), (2, 3, 24)])
+def test_gradients_of_inputs_the_rows_share_are_summed_over_them_deterministically(g_shape):
+    """g of shape (N,) (or (1, 1, N)): dg and db come from one column cascade over the rows
+    (``algebra.backward_shared``), twice the same bits; g each row's own: per element."""
+    gen = torch.Generator().manual_seed(3)
+    inputs = {"x": torch.randn(2, 3, 24, generator=gen),
+              "g": torch.rand(g_shape, generator=gen) + 0.5,
+              "b": torch.rand(24, generator=gen) + 0.5, "eps": EPS}
+    upstream = torch.randn(2, 3, 24, generator=gen)
+    runs = [_op_gradients("layernorm", inputs, upstream, compiled=False) for _ in range(2)]
+    _assert_gradients_match(runs[0], _torch_gradients("layernorm", inputs, upstream),
+                            "layernorm")
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+    assert runs[0]["g"].shape == g_shape
