@@ -103,15 +103,20 @@ class Backward:
     selections: tuple[Selection, ...] = ()  # max/min/top-k differentiated at their selection
 
     @property
+    def per_element(self) -> set[str]:
+        """The names the backward reads per element: the forward's streams and the
+        upstreams of its per-element outputs (not the selections' scattered inputs)."""
+        return {s.name for s in self.forward.streams} | {
+            g for o, g in self.upstream.items() if o in self.forward.elementwise}
+
+    @property
     def is_map(self) -> bool:
         """Nothing for a kernel: no gradient reads a stream, so each is a per-row value (a
         learned eps's) or one broadcast along the row (a mean's dx = dr / N), which ``maps``
         holds for the caller to run.  A per-element gradient that reads the row with no sum
         (logsumexp's dx = dlse * exp(x - lse)) is a line of the spec: a map kernel."""
-        streams = {s.name for s in self.forward.streams} | {
-            g for o, g in self.upstream.items() if o in self.forward.elementwise}
         read = {s.name for e in self.maps.values() for s in sp.sympify(e).free_symbols}
-        return "sum(" not in self.spec and not streams & read
+        return "sum(" not in self.spec and not self.per_element & read
 
     @property
     def proven(self) -> bool:

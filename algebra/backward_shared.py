@@ -60,8 +60,7 @@ def shared_sums(b: Backward, scalars: tuple[str, ...] = ()) -> SharedSums | None
     >>> s.gradients, s.sums
     (('dg',), 'dg = sum(dy[i, :]*x[i, :]/r[i])')
     """
-    c, streams = b.forward, {s.name for s in b.forward.streams}
-    per_element = streams | {g for o, g in b.upstream.items() if o in c.elementwise}
+    c, streams, per_element = b.forward, {s.name for s in b.forward.streams}, b.per_element
     per_row = set(b.saved) | {p.name for p in c.params} - set(scalars) | {
         g for o, g in b.upstream.items() if o not in c.elementwise}
     stream_grads = {g for n, (g, _) in b.gradients.items() if n in streams}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from .cascade import Cascade
 from .derive import derive_components, running_values
 from .errors import NotFusable
@@ -63,7 +65,8 @@ def _derive(spec: str, passes: int | str = 1) -> FusionRule | StagedRule:
 def derive_cascade(cascade: Cascade, name: str | None = None) -> FusionRule:
     """The proven one-pass rule of a lifted cascade (``NotFusable`` if it has none)."""
     components = derive_components(cascade)  # stages 3-4: separate each body, derive its state
-    running = running_values(cascade, components)
+    with charged_to(cascade.reductions[-1]) if cascade.reductions else nullcontext():
+        running = running_values(cascade, components)  # a map (no reduction) has none
     obligations = [(c, o) for c in components for o in c.obligations]
     status = []
     for comp, o in obligations:  # stage 5: prove

@@ -226,8 +226,7 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
         return "its backward did not prove (redfuser derive --backward shows the proof)"
     kernel, spec = None, without(derived.spec, scalar_gradients(derived, scalars))
     if not derived.is_map and spec:
-        grad_scalars = tuple(s for s in scalars if s in spec)
-        kernel = op(spec, f"{name}_backward", grad_scalars, differentiable=False, **options)
+        kernel = _backward_op(spec, f"{name}_backward", scalars, options)
     maps = {g: e for g, e in derived.maps.items() if kernel is None or g not in kernel.outputs}
     columns = op(derived.columns, f"{name}_backward_columns", differentiable=False,
                  **options) if derived.columns else None
@@ -241,13 +240,16 @@ def _shared(derived, name: str, scalars, options) -> Shared | None:
     sums = shared_sums(derived, tuple(scalars))
     if sums is None:
         return None
+    return Shared(sums, _backward_op(sums.sums, f"{name}_backward_shared", scalars, options),
+                  _backward_op(sums.rows, f"{name}_backward_rows", scalars, options)
+                  if sums.rows else None)
 
-    def spec_op(spec: str, suffix: str) -> CascadeOp:
-        rule = derive(spec)
-        used = tuple(s for s in scalars if s in rule.cascade.names)
-        return op(rule, f"{name}_backward_{suffix}", used, differentiable=False, **options)
-    return Shared(sums, spec_op(sums.sums, "shared"),
-                  spec_op(sums.rows, "rows") if sums.rows else None)
+
+def _backward_op(spec: str, name: str, scalars, options) -> CascadeOp:
+    """A backward cascade's op, taking as Python numbers the forward's scalars it reads."""
+    rule = derive(spec)
+    used = tuple(s for s in scalars if s in rule.cascade.names)
+    return op(rule, name, used, differentiable=False, **options)
 
 
 def _register_autograd(torch_op, name: str, inputs: tuple[str, ...],

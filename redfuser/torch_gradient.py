@@ -62,19 +62,17 @@ class Shared:
         needed when each one's input is a single row every row shares (a LayerNorm weight
         of shape (N,)), else none (their per-element values come from the full backward)."""
         wanted = needed & set(self.of.gradients)
-        grads = {g: n for n, (g, _) in derived.gradients.items()}
+        inputs = {g: n for n, (g, _) in derived.gradients.items()}
         length = _length(derived, values)
-        rows = math.prod(_rows(derived, values))
-        shared = {g for g in wanted if rows > 1 and values[grads[g]].numel() == length}
-        return wanted if wanted and shared == wanted else set()
+        if math.prod(_rows(derived, values)) > 1 and all(
+                values[inputs[g]].numel() == length for g in wanted):
+            return wanted
+        return set()
 
     def run(self, derived: Backward, values: dict) -> dict:
         """The summed gradients, each of shape (N,), from the backward's inputs: the
         forward's rows flattened into the column cascade's stream."""
-        n = _length(derived, values)
-        rows = _rows(derived, values)
-        streams = {s.name for s in derived.forward.streams} | {
-            g for o, g in derived.upstream.items() if o in derived.forward.elementwise}
+        n, rows, streams = _length(derived, values), _rows(derived, values), derived.per_element
         args = []
         for name in self.sums.inputs:
             v = values[name]
@@ -107,9 +105,7 @@ class Gradient:
     def maps_of(derived: Backward, maps: dict) -> dict:
         """Each of ``maps`` (the ones no kernel computes) as a torch function of its
         arguments, per element or per row."""
-        streams = {s.name for s in derived.forward.streams}
-        streams |= {g for o, g in derived.upstream.items() if o in derived.forward.elementwise}
-        streams |= {s.selector for s in derived.selections}
+        streams = derived.per_element | {s.selector for s in derived.selections}
         vectors = set(derived.forward.vector_inputs) | {
             g for o, g in derived.upstream.items() if o in vector_results(derived.forward)}
         out = {}
@@ -133,8 +129,10 @@ class Gradient:
         for s in self.derived.selections:
             values |= _selected(s, values, length)
         summed = self.shared.summed(self.derived, values, needed) if self.shared else set()
-        out, kernel = {}, self.shared.rows if summed else self.op
-        if kernel is not None and (needed - summed or not summed):
+        out = {}
+        # with summed gradients the row backward without them runs, where more is needed
+        kernel = (self.shared.rows if needed - summed else None) if summed else self.op
+        if kernel is not None:
             out = dict(zip(kernel.outputs, kernel(*(values[n] for n in kernel.inputs)),
                            strict=True))
         if summed:
