@@ -72,6 +72,9 @@ def running_values(cascade: Cascade, components) -> dict[str, sp.Expr]:
 # max/min/arg*/topk: monotone commutation ---------------------------------------
 _SIGN_WORDS = {"positive": "strictly increasing", "negative": "strictly decreasing",
                "nonnegative": "non-decreasing", "nonpositive": "non-increasing"}
+# a weak sign whose derivative vanishes only at isolated points still orders strictly
+_STRICT_WORDS = {"nonnegative": "strictly increasing (dF/dg >= 0, 0 at isolated g)",
+                 "nonpositive": "strictly decreasing (dF/dg <= 0, 0 at isolated g)"}
 
 
 def _select(r: Reduction, anchors: set, streams: set, names: Names) -> SelectComponent:
@@ -82,7 +85,7 @@ def _select(r: Reduction, anchors: set, streams: set, names: Names) -> SelectCom
     else:
         g, F = r.body, U
     strict = law.returns != "value" and law.returns != "values_k"
-    sign = _monotone_sign(r, g, F, strict)
+    sign, isolated = _monotone_sign(r, g, F, strict)
     direction = law.direction * (1 if sign in ("positive", "nonnegative") else -1)
     k = r.k or 1
     value = sp.Symbol(r.name, real=True) if law.returns in ("value", "values_k") else \
@@ -100,12 +103,12 @@ def _select(r: Reduction, anchors: set, streams: set, names: Names) -> SelectCom
     obligations = ()
     case = f"plain {r.op}"
     if anchors:
-        word = _SIGN_WORDS[sign]
+        word = _SIGN_WORDS[sign] if not isolated else _STRICT_WORDS[sign]
         obligations = (
             Obligation(f"{r.name}: factorization", "the body is F(g(x), a) with g anchor-free",
                        F.subs(U, g), r.body),
             Obligation(f"{r.name}: monotone", f"F is {word} in g, so {r.op} commutes with it",
-                       _derivative(F, g), sign=sign))
+                       _derivative(F, g), sign=sign), *isolated)
         swap = "" if direction == law.direction else " (direction swapped)"
         u = sp.Symbol(fresh("u", set(names.taken)), real=True)  # only shown: named apart
         case = (f"monotone commutation: F({u}) = {F.subs(U, u)} is {word} in g = {g}, so "
@@ -121,18 +124,35 @@ def _derivative(F: sp.Expr, g: sp.Expr) -> sp.Expr:
     return dF.subs(U, sp.Dummy(U.name, positive=True)) if g.is_positive else dF
 
 
-def _monotone_sign(r: Reduction, g, F, strict: bool) -> str:
+def _monotone_sign(r: Reduction, g, F, strict: bool) -> tuple[str, tuple[Obligation, ...]]:
+    """The sign of dF/dg, and where a strict sign is needed but dF/dg only keeps its sign
+    weakly, the obligation that its zeros are isolated (so F is still strictly monotone)."""
     dF = _derivative(F, g)
-    signs = ("positive", "negative") if strict else ("positive", "negative", "nonnegative",
-                                                     "nonpositive")
-    for sign in signs:
+    for sign in ("positive", "negative", "nonnegative", "nonpositive"):
         if Obligation("", "", dF, sign=sign).check():
-            return sign
+            isolated = _isolated_zeros(r, F, sign) if strict and sign in _STRICT_WORDS else ()
+            if not strict or sign not in _STRICT_WORDS or isolated:
+                return sign, isolated
     need = "strictly monotone (an index is returned, so ties must stay ties)" if strict \
         else "monotone"
     raise NotFusable(r.name, F.subs(U, g), f"is not provably {need} in g = {g} for every value "
                      f"of {listed(r.anchors)} (dF/dg = {dF}), so {r.op} does not commute "
                      "with it")
+
+
+def _isolated_zeros(r: Reduction, F: sp.Expr, sign: str) -> tuple[Obligation, ...]:
+    """Where dF/du is a polynomial in u whose leading coefficient is a number, it vanishes at
+    finitely many u for every value of the anchors, so a weakly monotone F is strictly
+    monotone ((x - m)**3: its derivative 3*(x - m)**2 is 0 only at x = m)."""
+    dF = sp.diff(F, U)
+    if not dF.is_polynomial(U) or dF == 0:
+        return ()
+    lead = sp.Poly(dF, U).LC()
+    if not lead.is_number:
+        return ()
+    return (Obligation(f"{r.name}: isolated zeros", "dF/dg is a polynomial in g with a constant "
+                       "leading coefficient: it vanishes at finitely many g", lead,
+                       sign="positive" if sign == "nonnegative" else "negative"),)
 
 
 # prod: a log-domain sum and a product of signs -------------------------------

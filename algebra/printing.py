@@ -64,6 +64,14 @@ class _SpecPrinter(StrPrinter):
     def _print_Unequality(self, expr):
         return f"{self._print(expr.args[0])} != {self._print(expr.args[1])}"
 
+    def _print_Piecewise(self, expr):  # sympy's own form of sign(x) after a rewrite
+        text = self._print(expr.args[-1].expr)
+        if expr.args[-1].cond is not sp.true:  # no branch left: torch's and ours are NaN
+            text = f"where({self._print(expr.args[-1].cond)}, {text}, nan)"
+        for branch in reversed(expr.args[:-1]):
+            text = f"where({self._print(branch.cond)}, {self._print(branch.expr)}, {text})"
+        return text
+
     def _print_Exp1(self, expr):
         return "exp(1)"
 

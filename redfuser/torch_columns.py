@@ -64,6 +64,16 @@ def column_values(derived: Backward, values: dict, names: tuple[str, ...],
     return out
 
 
+def column_gradient(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The other orientation's gradient ``t`` in the shape of its shared stream (..., N, D).
+    Where the column cascade reads nothing per position (``dv = sum(do[i, :] * r[i])``: no
+    value of the forward's stream), ``t`` has one position for all N, and each gets it."""
+    if math.prod(shape) == 0:
+        return t.new_zeros(shape)
+    lead, n, d = math.prod(shape[:-2]), shape[-2], shape[-1]
+    return t.reshape(lead, -1, d).expand(lead, n, d).reshape(shape)
+
+
 def _lead(stream: torch.Tensor, rows: tuple[int, ...]) -> tuple[int, ...]:
     """A shared stream's row axes, aligned to the forward's rows (missing ones are 1)."""
     lead = tuple(stream.shape[:-2])

@@ -19,7 +19,7 @@ from algebra.backward_shared import SharedSums
 from algebra.backward_vectors import vector_results
 from algebra.cascade import N
 
-from .torch_columns import column_values
+from .torch_columns import column_gradient, column_values
 
 
 class CascadeOp(Protocol):
@@ -143,7 +143,7 @@ class Gradient:
             laid = column_values(self.derived, values | out, self.columns.inputs,
                                  _rows(self.derived, values))
             of = {g: n for n, (g, _) in self.derived.gradients.items()}
-            out |= {g: t.reshape(values[of[g]].shape) for g, t in
+            out |= {g: column_gradient(t, values[of[g]].shape) for g, t in
                     zip(self.columns.outputs, self.columns(*laid.values()), strict=True)}
         return out
 
@@ -152,7 +152,8 @@ def _selected(s: Selection, values: dict, length: int) -> dict:
     """A selection's per-element input: its upstream (or 1) scattered to the elements at
     the saved indices (distinct: a top-k never picks one twice), and ``dot(dp, p)``."""
     index = values[s.index].long()
-    upstream = values[s.upstream] if s.upstream else torch.ones_like(values[s.result])
+    # no upstream: the selected value is read inside the cascade (not saved), its adjoint 1
+    upstream = values[s.upstream] if s.upstream else torch.ones(index.shape)
     if s.k is None:
         index, upstream = index.unsqueeze(-1), upstream.unsqueeze(-1)
     zeros = upstream.new_zeros((*index.shape[:-1], length))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 _COMMON = dict(
     deadline=None,
@@ -35,6 +35,10 @@ settings.register_profile("ci", derandomize=True, database=None, print_blob=True
 settings.register_profile("dev", print_blob=True, **_COMMON)
 settings.register_profile("thorough", **{**_COMMON, "max_examples": 400,  # local bug hunts
                                          "print_blob": True})
+# a bug hunt that reports the first failure as drawn: shrinking a kernel-compiling example
+# can take longer than finding it
+settings.register_profile("hunt", **{**_COMMON, "max_examples": 60, "print_blob": True},
+                          phases=[Phase.explicit, Phase.generate])
 # Deterministic unless asked: a random profile by default made a fresh clone's `make test`
 # fail on examples CI never drew (module docstring).
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -27,7 +27,7 @@ from algebra.backward_shared import shared_sums
 from algebra.functions import Dot, Where
 from algebra.library import LIBRARY
 from algebra.spec import parse
-from tests.support import cascade_inputs, cascades, examples, rule_for
+from tests.support import cascade_inputs, cascades, central_differences, examples, rule_for
 
 PROVEN = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "layernorm", "rmsnorm",
           "l2_normalize", "variance", "softmax_moments", "attention", "causal_attention",
@@ -162,24 +162,6 @@ def test_written_forward_round_trips_through_the_parser():
         assert set(cascade.outputs) <= set(again.outputs)
 
 
-def _loss(spec: str, inputs: dict, upstream: dict) -> float:
-    ref = redfuser.reference(spec, inputs)
-    return float(sum(np.sum(upstream[o] * ref[o]) for o in upstream))
-
-
-def _central_differences(spec: str, inputs: dict, upstream: dict, name: str) -> np.ndarray:
-    base = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
-    out = np.zeros_like(base[name])
-    for idx in np.ndindex(out.shape):
-        h = STEP * max(1.0, abs(base[name][idx]))
-        plus, minus = dict(base), dict(base)
-        plus[name], minus[name] = base[name].copy(), base[name].copy()
-        plus[name][idx] += h
-        minus[name][idx] -= h
-        out[idx] = (_loss(spec, plus, upstream) - _loss(spec, minus, upstream)) / (2 * h)
-    return out
-
-
 def _selectors(b, forward: dict, upstream: dict, n: int) -> dict:
     """Each selection's per-element input: its upstream (or 1) at the saved indices."""
     out = {}
@@ -204,10 +186,8 @@ def test_generated_backward_kernels_match_differences_of_the_oracle(specs, seed,
     try:
         rule = rule_for(spec)
         assume(isinstance(rule, redfuser.FusionRule))
-        # feature vectors (contracted results, the other orientation) are covered by the
-        # library's attention, rmsnorm_gemm and softmin_average against torch's autograd;
-        # generated ones are not yet run here (their lowering of a per-element dot output
-        # is not built, and their backward kernels need the column layout)
+        # feature vectors need the other orientation's layout: tests/api/
+        # test_torch_backward_generated.py runs them through the torch op
         assume(not rule.cascade.vector_inputs)
         assume(all(n >= (r.k or 1) for r in rule.cascade.reductions))  # top-k needs k <= N
         b = rule.backward()
@@ -226,7 +206,7 @@ def test_generated_backward_kernels_match_differences_of_the_oracle(specs, seed,
         b, forward, upstream, n)
     grads = kernel(**{k: v for k, v in given.items() if k in reads})  # not the indices
     for name, (grad, _) in b.gradients.items():
-        want = _central_differences(spec, inputs, upstream, name)
+        want = central_differences(spec, inputs, upstream, name, STEP)
         got = np.asarray(grads[grad], np.float64).reshape(want.shape)
         scale = np.max(np.abs(want), axis=-1, keepdims=True)
         bad = ~(np.abs(got - want) <= TOL * (1 + scale))

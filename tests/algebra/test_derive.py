@@ -147,3 +147,17 @@ def test_every_library_rule_is_proven_and_verifies(name):
     assert rule.name == name
     assert rule.to_latex() and rule.to_json()
     assert "obligations proven" in str(rule)
+
+
+def test_an_index_commutes_with_a_power_whose_derivative_vanishes_only_at_a_point():
+    """argmax((x - m)**3) = argmax(x): 3*(x - m)**2 >= 0 is 0 only at x = m, so the order
+    stays strict; the rule proves both facts.  (x - m)**2 and m*(x - m)**3 (m may be 0) are
+    refused."""
+    rule = redfuser.derive("m = max(x[i])\np = argmax((x[i] - m)**3)")
+    names = [o.name for o in rule.obligations]
+    assert "p: isolated zeros" in names and rule.verify()
+    x = np.array([[0.5, -2.0, 3.0, 3.0, 1.0]], np.float32)
+    assert redfuser.compile(rule, tune=False)(x=x)["p"][0] == 2
+    for body in ("(x[i] - m)**2", "m*(x[i] - m)**3"):
+        with pytest.raises(redfuser.NotFusable, match="not provably strictly monotone"):
+            redfuser.derive(f"m = max(x[i])\np = argmax({body})")

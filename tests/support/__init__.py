@@ -26,6 +26,7 @@ from tests.support.generated import SAFETY as SAFETY
 from tests.support.generated import TEXT as TEXT
 from tests.support.generated import cascade_inputs as cascade_inputs
 from tests.support.generated import cascades as cascades
+from tests.support.generated import central_differences as central_differences
 from tests.support.generated import make_inputs as make_inputs
 from tests.support.generated import sensitivity as sensitivity
 from tests.support.generated import specs as specs
