@@ -154,6 +154,8 @@ def check_train(nb: NotebookNode, text: str) -> None:
     errors = re.findall(r"^(lse|d[xst])\s+max error: (\S+)", text, re.M)
     assert {name for name, _ in errors} == {"lse", "dx", "ds", "dt"}, errors
     assert all(float(e) < 1e-4 for _, e in errors), f"gradients disagree with torch: {errors}"
+    assert "LlamaDecoderLayer" in text and "RMSNorm()" in text, \
+        "the trained model is not transformers' Llama with redfuser's norms"
     final = re.search(r"final loss: redfuser (\S+), torch (\S+)", text)
     assert final and float(final.group(1)) < 0.5, "the model did not train"
     gap = re.search(r"largest difference over \d+ steps: (\S+)", text)
