@@ -17,6 +17,7 @@ widened by them, not both), and an ``N`` passed next to streams of another lengt
 
 from __future__ import annotations
 
+import importlib
 import operator
 from dataclasses import dataclass
 from numbers import Number
@@ -24,6 +25,7 @@ from numbers import Number
 import numpy as np
 
 from .cascade import LENGTH, Cascade, carries_feature_axis
+from .dtypes import storage
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,10 @@ def _fail(name: str, shape, expected: str):
     raise ValueError(f"input '{name}' has shape {tuple(shape)}; expected {expected}")
 
 
-def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
-    """Check ``inputs`` against the cascade and view them in the internal layout.
+def resolve(cascade: Cascade, inputs: dict, dtype=None, keep: frozenset = frozenset()) -> Layout:
+    """Check ``inputs`` against the cascade and view them in the internal layout, converted
+    to ``dtype`` (default: the widest float input's) except those of a dtype named in
+    ``keep`` (a kernel's storage dtypes, ``algebra.dtypes``), which stay as they are.
 
     Examples
     --------
@@ -85,7 +89,8 @@ def resolve(cascade: Cascade, inputs: dict, dtype=None) -> Layout:
         row_shapes[name] = a.shape[:a.ndim - tail]
         shape = a.shape if name in streams else a.shape[:a.ndim - tail] + (1,) + a.shape[a.ndim -
                                                                                        tail:]
-        views[name] = a.reshape(shape + (() if name in vec else (1,))).astype(dtype, copy=False)
+        a = a if a.dtype.name in keep else a.astype(dtype, copy=False)
+        views[name] = a.reshape(shape + (() if name in vec else (1,)))
     for r in cascade.reductions:
         if r.k and r.k > n:
             raise ValueError(f"{r.op}({r.name}) asks for k = {r.k} values of a stream of "
@@ -148,13 +153,35 @@ def _as_array(name: str, value) -> np.ndarray:
     if hasattr(value, "__dlpack__") and not isinstance(value, np.ndarray):
         if getattr(value, "requires_grad", False):  # DLPack refuses it; detach is a view
             value = value.detach()
-        value = np.from_dlpack(resolved(value))
+        value = host_view(resolved(value))
     if not isinstance(value, np.ndarray):
         raise TypeError(f"input '{name}' must be a number or an array, not "
                         f"{type(value).__name__}")
-    if value.dtype.kind not in "fiu":
+    if value.dtype.kind not in "fiu" and storage(value.dtype) is None:
         raise TypeError(f"input '{name}' has dtype {value.dtype}; expected a real number type")
     return value
+
+
+def host_view(tensor) -> np.ndarray:
+    """A DLPack tensor as a numpy array, zero-copy; a dtype numpy lacks (torch's bfloat16)
+    goes over as its bits, viewed back as ml_dtypes' (``algebra.dtypes``)."""
+    kind = storage(tensor.dtype)
+    if kind is None or kind.bits_as is None:
+        return np.from_dlpack(tensor)
+    return np.from_dlpack(bits_view(tensor)).view(kind.numpy)
+
+
+def bits_view(tensor):
+    """A bfloat16 array or tensor (ml_dtypes' or torch's) as its int16 bits, in its own
+    framework and memory (what a kernel declares it as: ``algebra.dtypes``); any other
+    as it is."""
+    kind = storage(tensor.dtype)
+    if kind is None or kind.bits_as is None:
+        return tensor
+    if isinstance(tensor, np.ndarray):
+        return tensor.view(kind.bits_as)
+    framework = importlib.import_module(type(tensor).__module__.split(".")[0])
+    return tensor.view(getattr(framework, kind.bits_as.name))
 
 
 # Lazy views a framework keeps as a bit on the tensor, not in its memory: DLPack hands over

@@ -23,6 +23,7 @@ from numbers import Number
 
 import numpy as np
 
+from algebra.dtypes import numpy_dtype, storage
 from algebra.layout import Layout, vector_results
 from algebra.rule import FusionRule
 from algebra.stages import StagedLowering
@@ -31,7 +32,7 @@ from .lowering import FUNC_NAME, Geometry, signature
 from .lowering.signature import call_shapes, output_shape
 from .runtime import Built
 from .tvm.ir import ALIGNMENT
-from .tvm.runtime import from_dlpack, kernel_arg
+from .tvm.runtime import from_dlpack, host_arg
 
 F32 = np.dtype(np.float32)
 
@@ -54,7 +55,7 @@ class Allocated:
     shape: tuple[int, ...]
     dtype: np.dtype
     user_shape: tuple[int, ...] | None
-    empty: bool
+    wrapped: bool  # handed over through ``host_arg``: empty, or bfloat16 (over its bits)
 
 
 @dataclass(frozen=True)
@@ -86,16 +87,16 @@ def call_plan(rule: FusionRule, layout: Layout, geo: Geometry, built: Built | No
     shapes = call_shapes(rule, geo, keep)  # the kernel's view of every argument
     vector = vector_results(rule.cascade, layout.vector)
     outs = tuple(Output(a.name, shape, user_shape(rule, layout, a, vector),
-                        np.dtype(a.dtype))
+                        numpy_dtype(a.dtype))
                  for a, shape in zip(sig.outputs, shapes[len(sig.inputs):], strict=True))
     for o in outs:
         if prod(o.user_shape) != prod(o.kernel_shape):  # the two conventions must agree
             raise RuntimeError(f"output '{o.name}': kernel shape {o.kernel_shape} does not "
                                f"hold user shape {o.user_shape}")
-    direct = all(k[-1] and (k[2] is None or _is_f32(k[2])) for _, k in key)
+    direct = all(k[-1] and (k[2] is None or _as_is(k[2])) for _, k in key)
     return CallPlan(geo, built, _no_rows if built is None else built.executable[FUNC_NAME],
                     _input_views(sig, shapes, key),
-                    outs, direct, caller_kind(inputs),
+                    outs, direct, caller_kind(inputs, any(o.dtype.kind == "V" for o in outs)),
                     caller_address(inputs) if all(map(prod, shapes)) else None,  # empty: copied
                     tuple(map(_allocated, outs)), _in_place(rule),
                     tuple(name for name, k in key if k[0] not in ("number", "value")))
@@ -129,11 +130,16 @@ def _input_views(sig, shapes: list, key: tuple) -> tuple:
 
 def _allocated(o: Output) -> Allocated:
     user = None if o.user_shape == o.kernel_shape else o.user_shape
-    return Allocated(o.name, o.kernel_shape, o.dtype, user, prod(o.kernel_shape) == 0)
+    return Allocated(o.name, o.kernel_shape, o.dtype, user,
+                     prod(o.kernel_shape) == 0 or o.dtype.kind == "V")
 
 
-def _is_f32(dtype) -> bool:
-    return dtype == F32 or str(dtype) in ("torch.float32", "float32")
+def _as_is(dtype) -> bool:
+    """Can an input of ``dtype`` go to the kernel as the caller's memory is: a storage dtype
+    the kernel declares as it is (bfloat16 goes over as its bits: ``layout.host_view``,
+    ``host_arg``)."""
+    kind = storage(dtype)
+    return kind is not None and kind.bits_as is None
 
 
 def user_shape(rule: FusionRule, layout: Layout, arg, vector: set) -> tuple:
@@ -146,18 +152,20 @@ def user_shape(rule: FusionRule, layout: Layout, arg, vector: set) -> tuple:
 
 def input_arrays(plan: CallPlan, inputs: dict, layout: Layout | None) -> list:
     """The kernel's inputs: the caller's memory reshaped (no copy) when ``direct``, else the
-    views ``algebra.layout`` made (converted to float32 there).  The FFI takes numpy arrays
-    and torch tensors as they are (DLPack in C); TVM never checks the alignment a kernel
-    was compiled for, so a tensor goes over as it is only where its address is known to be
-    aligned, and through ``redfuser.tvm.runtime.from_dlpack`` (the check, or an aligned copy)
-    otherwise (torch: 1.1 us against 3.8 us a call).  An array already of the kernel's view
-    (the key says so) is handed over without a reshape (0.15 us; torch's: 2 us)."""
+    views ``algebra.layout`` made (converted to float32 there, storage dtypes kept). The FFI
+    takes numpy arrays and torch tensors as they are (DLPack in C); TVM never checks the
+    alignment a kernel was compiled for, so a tensor goes over as it is only where its
+    address is known to be aligned, and through ``redfuser.tvm.runtime.from_dlpack`` (the
+    check, or an aligned copy) otherwise (torch: 1.1 us against 3.8 us a call). An array
+    already of the kernel's view (the key says so) is handed over without a reshape (0.15
+    us; torch's: 2 us)."""
     out = []
     for name, shape, as_is in plan.inputs:
         v = inputs[name] if layout is None else layout.arrays[name]
         if type(v) is np.ndarray and v.flags.owndata and v.size:
             # numpy's own memory is aligned (``output_arrays``)
-            out.append(v if as_is and layout is None else v.reshape(shape))
+            v = v if as_is and layout is None else v.reshape(shape)
+            out.append(host_arg(v) if v.dtype.kind == "V" else v)
         elif isinstance(v, Number):
             out.append(np.full(shape, v, F32))
         elif layout is None and plan.address is not None and plan.address(v) % ALIGNMENT == 0:
@@ -176,19 +184,24 @@ def output_arrays(plan: CallPlan) -> tuple[dict, list]:
     for o in plan.allocated:
         buf = np.empty(o.shape, o.dtype)
         users[o.name] = buf if o.user_shape is None else buf.reshape(o.user_shape)
-        args.append(kernel_arg(buf) if o.empty else buf)  # empty: an N = 0 stream
+        args.append(host_arg(buf) if o.wrapped else buf)
     return users, args
 
 
-def caller_kind(inputs: dict):
+def caller_kind(inputs: dict, bits: bool = False):
     """How an allocated numpy output becomes the caller's kind of tensor, zero-copy: the module of
     the first non-numpy array input (torch), its ``from_numpy`` where it has one (a C call,
     half of ``from_dlpack``'s Python-level cost), else its ``from_dlpack``; None for numpy
-    inputs."""
+    inputs.  With ``bits`` (a bfloat16 output, which numpy holds as ml_dtypes'), the
+    output goes over as its int16 bits and is viewed as the module's dtype of that name."""
     for v in inputs.values():
         if not isinstance(v, Number | np.ndarray) and hasattr(v, "__dlpack__"):
             module = importlib.import_module(type(v).__module__.split(".")[0])
-            return getattr(module, "from_numpy", None) or module.from_dlpack
+            convert = getattr(module, "from_numpy", None) or module.from_dlpack
+            if not bits:
+                return convert
+            return lambda a: convert(a) if a.dtype.kind != "V" else \
+                convert(a.view(np.int16)).view(getattr(module, a.dtype.name))
     return None
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from algebra import FusionRule, StagedRule, derive
 from algebra.cascade import LENGTH
+from algebra.dtypes import COMPUTE, STORAGE, storage
 from algebra.layout import resolve
 
 from .call import CallPlan, call_plan, in_kind, input_arrays, output_arrays
@@ -78,6 +79,12 @@ def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  #
     ``splits`` or ``threads`` also bypasses it.  A corrupt database is ignored with a
     warning.
 
+    Storage dtypes (``algebra.dtypes``): inputs may be float32, bfloat16 or float16 (numpy,
+    ml_dtypes or torch arrays), each its own; every kernel computes in float32 (the rule
+    and its proof do not change).  Per-element outputs are stored as the streams are
+    (rounded to nearest even) unless ``out_dtype`` says otherwise; per-row results stay
+    float32.
+
     ``dynamic=True`` (CPU and CUDA): one build per row rank, D and broadcast pattern serves
     every row count and N (the plan says "dynamic shapes"; no split, row blocks, GEMM
     blocking, stash or tuning database: per-shape kernels stay the default where those pay).
@@ -113,6 +120,17 @@ def _check_dynamic(rule: FusionRule, backend_, variant, splits, tune, plan) -> N
         raise ValueError("tune searches one shape: it needs dynamic=False")
     if not rule.cascade.streams:
         raise ValueError("dynamic=True needs a streamed input: N is read from its shape")
+
+
+def _out_dtype(out_dtype) -> str | None:
+    """The per-element outputs' storage dtype a caller asked for (None: the streams')."""
+    if out_dtype is None:
+        return None
+    kind = storage(out_dtype)
+    if kind is None:
+        raise ValueError(f"out_dtype must be one of {', '.join(STORAGE)} (or None: the "
+                         f"streams' dtype), not {out_dtype!r}")
+    return kind.name
 
 
 def _kept_results(rule: FusionRule, outputs) -> frozenset | None:
@@ -158,8 +176,9 @@ class Kernel:
     def __init__(self, rule: FusionRule, target: str = "cpu", variant: str | None = None,
                  splits: int | None = None, fast_math: bool = True, threads: int | None = None,
                  tune: bool | str | None = None, plan: Plan | None = None,
-                 dynamic: bool = False, outputs=None):
+                 dynamic: bool = False, outputs=None, out_dtype=None):
         self.backend = backend(target)
+        self.out_dtype = _out_dtype(out_dtype)
         _check_options(self.backend, variant, splits, fast_math, threads, tune, plan)
         self.keep = _kept_results(rule, outputs)  # None: every output
         if not isinstance(dynamic, bool):
@@ -181,17 +200,17 @@ class Kernel:
         for name, value in inputs.items():
             if name == LENGTH or isinstance(value, Number) or not hasattr(value, "dtype"):
                 continue  # N is a count, checked as one by the layout
-            dtype = np.dtype(str(value.dtype).replace("torch.", ""))
-            if dtype != np.float32:
-                raise TypeError(f"input '{name}' has dtype {dtype}; this kernel computes in "
-                                "float32: pass float32 arrays")
-        layout = resolve(self.rule.cascade, inputs, dtype=np.float32)
+            if storage(value.dtype) is None:
+                raise TypeError(f"input '{name}' has dtype {value.dtype}; this kernel stores "
+                                f"{', '.join(STORAGE)} and computes in float32")
+        layout = resolve(self.rule.cascade, inputs, dtype=COMPUTE.numpy,
+                         keep=frozenset(STORAGE))
         _check_feature_axis(layout, inputs)
         return layout
 
     def geometry(self, **inputs) -> Geometry:
         """The shapes of a call on ``inputs`` (checked as a call checks them)."""
-        return geometry(self.rule, self._layout(inputs))
+        return geometry(self.rule, self._layout(inputs), self.out_dtype)
 
     # Step 2. Compile for this geometry (cached) ---------------------------------------
     def _compiled(self, geo: Geometry, plan: Plan | None = None) -> Built:
@@ -274,7 +293,7 @@ class Kernel:
     def _new_call(self, key: tuple, inputs: dict) -> CallPlan:
         """The call plan of a new signature; no kernel is built for one with no rows."""
         layout = self._layout(inputs)
-        geo = geometry(self.rule, layout)
+        geo = geometry(self.rule, layout, self.out_dtype)
         built = None if 0 in layout.rows else self._compiled(geo)
         plan = call_plan(self.rule, layout, geo, built, key, inputs, self.keep)
         self._calls[key] = plan
@@ -307,7 +326,7 @@ class Kernel:
         """Median milliseconds of the kernel alone on ``inputs`` (inputs and outputs already on
         the device; TVM's time evaluator synchronises)."""
         layout = self._layout(inputs)
-        geo = geometry(self.rule, layout)
+        geo = geometry(self.rule, layout, self.out_dtype)
         built = self._compiled(geo)
         args = layout_tensors(self.rule, layout, geo, built.device())
         outs = allocate_outputs(self.rule, geo, self.keep)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
-from algebra.layout import VIEW_BITS
+from algebra.layout import VIEW_BITS, host_view
 
 from .call import CallPlan, Output
 from .tvm.ir import ALIGNMENT
-from .tvm.runtime import aligned_arg, kernel_arg
+from .tvm.runtime import aligned_arg, host_arg
 
 
 def given_outputs(plan: CallPlan, out, inputs: dict | None = None) -> tuple[dict, list, list]:
@@ -56,7 +56,7 @@ def _overlap_copies(plan: CallPlan, out: dict, inputs: dict, args: list) -> list
             if (o.name, name) in plan.in_place and same_memory(given, value):
                 continue  # read before written, element by element (``call._in_place``)
             temp = np.empty(o.kernel_shape, o.dtype)
-            args[index] = temp
+            args[index] = host_arg(temp)
             copies.append((host_array(given).reshape(o.kernel_shape), temp))
             break
     return copies
@@ -71,7 +71,7 @@ def _given_arrays(plan: CallPlan, out: dict) -> tuple[dict, list]:
         if given is None:  # aligned as output_arrays' are
             buf = np.empty(o.kernel_shape, o.dtype)
             users[o.name] = buf.reshape(o.user_shape)
-            args.append(kernel_arg(buf))
+            args.append(host_arg(buf))
             continue
         _check_out(o, given)
         arg = aligned_arg(given.reshape(o.kernel_shape))
@@ -115,7 +115,7 @@ def host_array(v) -> np.ndarray | None:
     if isinstance(v, np.ndarray):
         return v
     try:
-        return np.from_dlpack(v)
+        return host_view(v)
     except (AttributeError, BufferError, RuntimeError, TypeError, ValueError):
         return None
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from algebra.dtypes import numpy_dtype
 from algebra.layout import Layout
 from algebra.rule import FusionRule
 
@@ -67,7 +68,7 @@ def allocate_outputs(rule: FusionRule, geo: Geometry,
     """Fresh aligned arrays for every output (``keep``: as ``signature``), of the kernel's
     argument shapes, in its order."""
     sig = signature(rule, geo, keep)
-    return {a.name: empty_aligned(call_shape(rule, geo, a, False), a.dtype)
+    return {a.name: empty_aligned(call_shape(rule, geo, a, False), numpy_dtype(a.dtype))
             for a in sig.outputs}
 
 
@@ -78,8 +79,9 @@ def random_inputs(rule: FusionRule, geo: Geometry, seed: int = 0) -> list[np.nda
     out = []
     for a in signature(rule, geo).inputs:
         shape = call_shape(rule, geo, a, True)
-        out.append(g.standard_normal(shape, np.float32) if geo.inputs[a.name].length > 1 else
-                   g.uniform(0.5, 1.0, shape).astype(np.float32))
+        value = g.standard_normal(shape) if geo.inputs[a.name].length > 1 else \
+            g.uniform(0.5, 1.0, shape)
+        out.append(value.astype(numpy_dtype(a.dtype)))
     return out
 
 

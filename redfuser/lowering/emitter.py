@@ -42,7 +42,7 @@ from .plan import Plan
 from .registers import Const0, States, working_anchors
 from .signature import F32, I64
 from .steps import SelectSteps, SettleSteps, all_of, opaque
-from .texpr import const, to_tir
+from .texpr import const, loaded, to_tir
 
 
 def _mul0(a, b):
@@ -132,7 +132,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
                 g = self.geo.inputs[name]
                 at = slot if g.width > 1 else 0
                 pos = i if is_streamed(g.length) else 0
-                return self.bufs[name][self.row_of(name, r), pos, at]
+                return loaded(self.bufs[name], [self.row_of(name, r), pos, at])
             if name in self.rowvals:
                 value = self.rowvals[name]
                 if isinstance(value, sp.Expr):  # an epilogue: computed where it is read

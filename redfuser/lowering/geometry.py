@@ -20,6 +20,7 @@ from math import prod
 import numpy as np
 
 from algebra.cascade import carries_feature_axis
+from algebra.dtypes import COMPUTE, storage, widest
 from algebra.families import element_exprs
 from algebra.layout import Layout, resolve
 from algebra.rule import FusionRule
@@ -32,6 +33,7 @@ class InputGeom:
     rows: tuple[int, ...]  # the input's own row axes, left-padded with 1s to the kernel's rank
     length: int  # L: N for streams, 1 for parameters
     width: int  # F: D for feature vectors, 1 otherwise
+    dtype: str = COMPUTE.name  # its storage dtype (``algebra.dtypes``): loads convert it to float32
 
     @property
     def count(self) -> int:
@@ -71,6 +73,7 @@ class Geometry:
     d: int
     inputs: dict[str, InputGeom]
     vec: frozenset[str]  # inputs, state variables and results that carry the feature axis
+    out_dtype: str = COMPUTE.name  # the per-element outputs' storage dtype (per-row ones: float32)
 
     @property
     def r(self) -> int:
@@ -80,8 +83,8 @@ class Geometry:
         return self.d if name in self.vec else 1
 
     def key(self) -> tuple:
-        return (self.rows, self.n, self.d, tuple(sorted(
-            (k, v.rows, v.length, v.width) for k, v in self.inputs.items())))
+        return (self.rows, self.n, self.d, self.out_dtype, tuple(sorted(
+            (k, v.rows, v.length, v.width, v.dtype) for k, v in self.inputs.items())))
 
     @property
     def static(self) -> bool:
@@ -101,8 +104,9 @@ def dynamic_key(rule: FusionRule, geo: Geometry) -> tuple:
     """What a kernel built on ``symbolic_geometry`` depends on: the rank of the rows, D, the
     feature-axis flags and, per input, its broadcast axes and kind (stream or parameter)."""
     streams = {s.name for s in rule.cascade.streams}
-    return (len(geo.rows), geo.d, geo.vec, tuple(sorted(
-        (k, broadcast_axes(geo, k), k in streams, v.width) for k, v in geo.inputs.items())))
+    return (len(geo.rows), geo.d, geo.vec, geo.out_dtype, tuple(sorted(
+        (k, broadcast_axes(geo, k), k in streams, v.width, v.dtype)
+        for k, v in geo.inputs.items())))
 
 
 def fits(key: tuple, rule: FusionRule, geo: Geometry) -> bool:
@@ -120,13 +124,13 @@ def fits(key: tuple, rule: FusionRule, geo: Geometry) -> bool:
     >>> fits(dynamic_key(rule, geo(4)), rule, geo(1)), fits(dynamic_key(rule, geo(1)), rule, geo(4))
     (True, False)
     """
-    rank, d, vec, inputs = key
-    if (rank, d, vec) != (len(geo.rows), geo.d, geo.vec):
+    rank, d, vec, out_dtype, inputs = key
+    if (rank, d, vec, out_dtype) != (len(geo.rows), geo.d, geo.vec, geo.out_dtype):
         return False
     streams = {s.name for s in rule.cascade.streams}
-    for name, bcast, stream, width in inputs:
+    for name, bcast, stream, width, dtype in inputs:
         g = geo.inputs.get(name)
-        if g is None or (stream, width) != (name in streams, g.width):
+        if g is None or (stream, width, dtype) != (name in streams, g.width, g.dtype):
             return False
         if any(own != (1 if b else size) for own, b, size in zip(g.rows, bcast, geo.rows,
                                                                  strict=True)):
@@ -144,18 +148,24 @@ def symbolic_geometry(rule: FusionRule, geo: Geometry, rows: tuple, n) -> Geomet
     streams = {s.name for s in rule.cascade.streams}
     inputs = {k: InputGeom(tuple(1 if b else v for b, v in zip(broadcast_axes(geo, k), rows,
                                                               strict=True)),
-                           n if k in streams else 1, g.width)
+                           n if k in streams else 1, g.width, g.dtype)
               for k, g in geo.inputs.items()}
-    return Geometry(tuple(rows), n, geo.d, inputs, geo.vec)
+    return Geometry(tuple(rows), n, geo.d, inputs, geo.vec, geo.out_dtype)
 
 
-def geometry(rule: FusionRule, layout: Layout) -> Geometry:
-    """Shapes and feature-axis flags of ``rule`` called on inputs resolved to ``layout``."""
+def geometry(rule: FusionRule, layout: Layout, out_dtype: str | None = None) -> Geometry:
+    """Shapes, storage dtypes and feature-axis flags of ``rule`` called on inputs resolved to
+    ``layout``; per-element outputs are stored as ``out_dtype``, by default as the streams
+    are (torch's convention: bfloat16 in, bfloat16 out; ``algebra.dtypes.widest``)."""
     rank = len(layout.rows)
     inputs = {}
     for name, a in layout.arrays.items():
         own = a.shape[:-2]
-        inputs[name] = InputGeom((1,) * (rank - len(own)) + tuple(own), a.shape[-2], a.shape[-1])
+        inputs[name] = InputGeom((1,) * (rank - len(own)) + tuple(own), a.shape[-2],
+                                 a.shape[-1], a.dtype.name)
+    if out_dtype is None:
+        out_dtype = widest(storage(inputs[s.name].dtype)
+                           for s in rule.cascade.streams).name
     vec = {k for k, g in inputs.items() if g.width > 1}
     for comp in rule.components:
         anchors_vec = any(a.name in vec for a in comp.anchors)
@@ -164,7 +174,8 @@ def geometry(rule: FusionRule, layout: Layout) -> Geometry:
         for name, expr in rule.running.items():
             if carries_feature_axis(expr, vec - {rule.count.name}):
                 vec.add(name)
-    return Geometry(tuple(layout.rows), layout.n, layout.d or 1, inputs, frozenset(vec))
+    return Geometry(tuple(layout.rows), layout.n, layout.d or 1, inputs, frozenset(vec),
+                    out_dtype)
 
 
 def shape_geometry(rule, shapes: dict[str, tuple] | None = None, rows: tuple | None = None,

@@ -13,6 +13,7 @@ from algebra.stash import tile_anchor
 from ..tvm.ir import T, tirx
 from .geometry import is_streamed
 from .registers import States, working
+from .texpr import stored
 
 STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
 # user's name)
@@ -73,7 +74,7 @@ class OutputSteps:
             values = {s: b[r, i, slot] for s, b in reads.items()}
             values |= {d: T.bind(self._dot(d, r, i)) for d in dots}  # a loop over D each
             look = self.base_lookup(r, i, slot, {**hoisted, **values})
-            T.buffer_store(buf, self.expr(expr, look), [r, i, slot])
+            T.buffer_store(buf, stored(self.expr(expr, look), buf.dtype), [r, i, slot])
 
         vector = 1 if dots else self.simd  # a dot's own loop cannot sit in a vector lane
         if vector > 1 and width == 1 and step == 1 and (not self.geo.static or

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from algebra.dtypes import argument_dtype
 from algebra.rule import FusionRule
 
 from ..tvm.ir import IRBuilder, T, arg_alias, arg_buffer, shape_var
@@ -48,11 +49,11 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC
             args = (*sig.inputs, *sig.outputs)
             shapes = [_argument_shape(rule, geo, plan, a, k < len(sig.inputs), call_view)
                       for k, a in enumerate(args)]
-            declared = [arg_buffer(a.name, shape, a.dtype) for a, shape in zip(args, shapes,
-                                                                                strict=True)]
+            declared = [arg_buffer(a.name, shape, argument_dtype(a.dtype))
+                        for a, shape in zip(args, shapes, strict=True)]
             # every argument first: an alias opens a frame (shape variables: always one)
             declared = [b if not plan.dynamic and shape == a.shape else
-                        arg_alias(b, a.shape, a.dtype)
+                        arg_alias(b, a.shape, argument_dtype(a.dtype))
                         for a, b, shape in zip(args, declared, shapes, strict=True)]
             bufs = {a.name: b for a, b in zip(sig.inputs, declared, strict=False)}
             results, elementwise = {}, {}

@@ -70,14 +70,14 @@ def signature(rule: FusionRule, geo: Geometry, keep: frozenset | None = None) ->
     >>> [a.name for a in signature(rule, geo, keep=frozenset({"e"})).internal]
     ['m', 'd', 'p']
     """
-    inputs = tuple(Arg(name, (g.count, g.length, g.width)) for name, g in
+    inputs = tuple(Arg(name, (g.count, g.length, g.width), g.dtype) for name, g in
                    sorted(geo.inputs.items()))
     outputs, internal = [], []
     for name in rule.outputs:
         if name in rule.cascade.elementwise:
             wide = carries_feature_axis(rule.cascade.elementwise[name], set(geo.vec))
             width = geo.d if wide else 1
-            outputs.append(Arg(name, (geo.r, geo.n, width), F32, elementwise=True))
+            outputs.append(Arg(name, (geo.r, geo.n, width), geo.out_dtype, elementwise=True))
         else:
             arg = Arg(name, (geo.r, result_width(rule, geo, name)), result_dtype(rule, name))
             (outputs if keep is None or name in keep else internal).append(arg)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import sympy as sp
 
+from algebra.dtypes import argument_dtype
 from algebra.functions import Dot
 from algebra.numeric import mul_terms, summands
 
@@ -20,6 +21,7 @@ from ..tvm.ir import LEAVES, tirx
 from . import fastmath  # vectorizable polynomial versions (TVM's exp is a scalar call)
 from .fastmath import isnan
 
+BF16_BITS = argument_dtype("bfloat16")  # how a kernel declares a bfloat16 buffer
 Lookup = Callable[[sp.Expr], object]  # sympy Symbol or Dot -> PrimExpr
 
 
@@ -31,6 +33,34 @@ def const(value: float, dtype: str = "float32"):
         with np.errstate(over="ignore"):
             value = np.float32(float(value))
     return tirx.const(float(value), dtype)
+
+
+def loaded(buf, index: list):
+    """``buf[index]`` in float32, converted in registers: float16 by a cast (F16C's
+    vcvtph2ps on x86), bfloat16 (declared as its int16 bits, ``algebra.dtypes``) by
+    moving its bits to the top half of a float32: exact."""
+    value = buf[tuple(index)]
+    if buf.dtype == BF16_BITS:
+        wide = tirx.Cast("uint32", tirx.Cast("uint16", value))
+        return tirx.reinterpret("float32", tirx.shift_left(wide, tirx.const(16, "uint32")))
+    return value if buf.dtype == "float32" else tirx.Cast("float32", value)
+
+
+def stored(value, dtype: str):
+    """A float32 value as a buffer of ``dtype`` holds it, rounded to nearest even (a NaN
+    stays a quiet NaN of its sign; bfloat16: bits + 0x7FFF + the kept lowest bit, the top
+    half kept, as TVM's own legalization and torch round)."""
+    if dtype == BF16_BITS:
+        return share(tirx.reinterpret("uint32", value), _bf16_bits)
+    return value if dtype == "float32" else tirx.Cast(dtype, value)
+
+
+def _bf16_bits(bits):
+    u32 = functools.partial(tirx.const, dtype="uint32")
+    top = tirx.shift_right(bits, u32(16))
+    even = tirx.shift_right(bits + u32(0x7FFF) + tirx.bitwise_and(top, u32(1)), u32(16))
+    nan = tirx.bitwise_and(bits, u32(0x7FFFFFFF)) > u32(0x7F800000)
+    return tirx.Cast(BF16_BITS, tirx.Select(nan, tirx.bitwise_or(top, u32(0x40)), even))
 
 
 def share(value, body):

@@ -9,6 +9,8 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from algebra.layout import bits_view
+
 from .ir import ALIGNMENT
 
 # What code TVM compiles itself (a Relax executable's kernels) assumes of every tensor: handing
@@ -46,7 +48,7 @@ def from_numpy(array: np.ndarray, dev=None, align: int = ALIGNMENT):
             aligned = empty_aligned(array.shape, array.dtype, align)
             np.copyto(aligned, array)
             array = aligned
-        return kernel_arg(tvm_ffi.from_dlpack(array, require_alignment=align,
+        return kernel_arg(tvm_ffi.from_dlpack(_bits(array), require_alignment=align,
                                               require_contiguous=True))
     return tvm.runtime.tensor(np.ascontiguousarray(array), dev)
 
@@ -60,6 +62,7 @@ def from_dlpack(tensor):
     check refuses ("Mismatched .strides"), and there is nothing to copy.  A torch tensor
     that requires grad, which torch's Python DLPack export refuses (BufferError), is read
     through TVM's own import (torch's C exchange API), which takes it."""
+    tensor = _bits(tensor)
     try:
         out = tvm_ffi.from_dlpack(tensor, require_alignment=ALIGNMENT, require_contiguous=True)
     except (ValueError, RuntimeError, TypeError, BufferError):  # misaligned, strided or
@@ -77,7 +80,8 @@ def aligned_arg(array):
     and ALIGNMENT-aligned: DLPack's own check, in C (reading a numpy view's address through
     ``ctypes`` costs three times as much).  For outputs, which must never be copies."""
     try:
-        out = tvm_ffi.from_dlpack(array, require_alignment=ALIGNMENT, require_contiguous=True)
+        out = tvm_ffi.from_dlpack(_bits(array), require_alignment=ALIGNMENT,
+                                  require_contiguous=True)
     except (ValueError, RuntimeError, TypeError, BufferError):
         return None
     return kernel_arg(out)
@@ -90,6 +94,21 @@ def kernel_arg(array):
     if 0 not in tuple(array.shape):
         return array
     return tvm.runtime.empty(tuple(array.shape), str(array.dtype), tvm.cpu(0))
+
+
+def host_arg(array: np.ndarray):
+    """A host numpy array as a kernel argument over its own memory.  A dtype DLPack cannot
+    carry (ml_dtypes' bfloat16: numpy kind "V"), which kernels declare as its bits
+    (``algebra.dtypes``), goes over as those bits: a view, no copy."""
+    return kernel_arg(_bits(array))
+
+
+def _bits(array):
+    """``array`` as a kernel declares it: a bfloat16 one as its bits (a numpy array's dtype
+    kind says so in one attribute read)."""
+    if isinstance(array, np.ndarray) and array.dtype.kind != "V":
+        return array
+    return bits_view(array)
 
 
 def time_ms(executable, name: str, dev, args, repeat: int = 5) -> float:

@@ -27,6 +27,7 @@ from ...tvm.target import default_threads
 from ..geometry import Geometry
 from ..plan import Plan, check_variant
 from ..products import products, without
+from ..signature import F32
 from .vector import host_caches, host_isa
 
 ISA, CACHES = host_isa(), host_caches()  # the host's vector unit and caches (vector.py)
@@ -170,8 +171,10 @@ def lane_aligned(rule: FusionRule) -> bool:
 def stash_applies(rule: FusionRule, geo: Geometry, plan: CpuPlan) -> bool:
     """Per-element outputs are stashed (``algebra.stash``: written by the statistics pass,
     finished with one multiply) when the row is a single tile of aligned lanes: every
-    stashed value was then computed at the same anchors, held in lane 0 afterwards."""
+    stashed value was then computed at the same anchors, held in lane 0 afterwards.  Not
+    into a low-precision output: the stashed value would be rounded twice."""
     return (bool(rule.stashes) and plan.variant == "rolling" and plan.row_block == 1 and
+            geo.out_dtype == F32 and
             single_tile(rule, geo, plan.lanes, plan.tile))
 
 

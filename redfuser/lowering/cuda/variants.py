@@ -19,6 +19,7 @@ from ..nests import copy_state, epilogue_values, store_results, unfused_passes, 
 from ..products import products
 from ..registers import States
 from ..signature import F32, result_dtype, result_width
+from ..texpr import loaded
 from . import gemm
 from .plan import row_in_shared
 
@@ -168,7 +169,7 @@ def _row_copy(em: Emitter, names, t, r, threads: int):
         with T.serial(0, tirx.ceildiv(tirx.max(geo.n - t, 0), threads)) as c:
             i = t + c * threads
             with T.serial(0, g.width) as w:
-                T.buffer_store(buf, em.bufs[name][em.row_of(name, r), i, w], [0, i, w])
+                T.buffer_store(buf, loaded(em.bufs[name], [em.row_of(name, r), i, w]), [0, i, w])
         shared[name] = buf
         inputs[name] = InputGeom((1,) * len(geo.rows), g.length, g.width)
     block_sync()
