@@ -14,6 +14,7 @@ from .components import Component, LinearComponent
 from .interpret import run
 from .laws import LAWS
 from .numeric import compile_expr
+from .precision import precision_lines
 from .prove import Obligation
 from .stash import OutputStash, stashes, tile_anchor
 from .state import StateVar, guarded_anchors, primed, working_value
@@ -146,6 +147,9 @@ class FusionRule:
                 out += [f"  {lhs} = {rhs}" for lhs, rhs in lines]
         out.append("cases:")
         out += [f"  {c.reduction.name}: {c.case}" for c in self.components]
+        out.append("precision (what each state needs; storage dtypes change loads and stores "
+                   "only):")
+        out += [f"  {line}" for line in precision_lines(self)]
         out.append("proof:")
         out += [f"  [{'proven' if ok else 'FAILED'}] {o.name}: {o.statement()}"
                 for o, ok in zip(self.obligations, self.status, strict=True)]

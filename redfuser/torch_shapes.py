@@ -11,12 +11,14 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
 
 from algebra import FusionRule
+from algebra.dtypes import STORAGE, storage
 from algebra.layout import Layout, resolve, vector_results
 
 from .call import user_shape
 from .lowering import geometry, signature
 
-TORCH_DTYPES = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                "float16": torch.float16, "int32": torch.int32, "int64": torch.int64}
 
 
 def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch.dtype]]:
@@ -36,17 +38,25 @@ def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch
     [('p', (3, 8), 'torch.float32'), ('e', (3, 8), 'torch.int64')]
     """
     shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else () for k, v in inputs.items()}
-    stand_ins = {k: np.broadcast_to(np.float32(0), tuple(_hint(rule, k, s) for s in shapes[k]))
+    stand_ins = {k: np.broadcast_to(np.zeros((), _storage(v.dtype)),
+                                    tuple(_hint(rule, k, s) for s in shapes[k]))
                  if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    layout = resolve(rule.cascade, stand_ins, dtype=np.float32)
+    layout = resolve(rule.cascade, stand_ins, dtype=np.float32, keep=frozenset(STORAGE))
     sig = signature(rule, geometry(rule, layout))
     if any(isinstance(s, torch.SymInt) for shape in shapes.values() for s in shape):
         layout = _symbolic(rule.cascade, layout, shapes)
     vector = vector_results(rule.cascade, layout.vector)  # as call.call_plan reads it
-    floats = float_dtype(inputs)
-    return {a.name: (user_shape(rule, layout, a, vector),
-                     floats if a.dtype == "float32" else TORCH_DTYPES[a.dtype])
+    wide = float_dtype(inputs) == torch.float64  # the oracle's: every float output float64
+    return {a.name: (user_shape(rule, layout, a, vector), torch.float64 if wide and
+                     a.dtype in STORAGE else TORCH_DTYPES[a.dtype])
             for a in sig.outputs}
+
+
+def _storage(dtype: torch.dtype) -> np.dtype:
+    """The numpy stand-in of a tensor's dtype: its storage dtype's, else float32 (what the
+    call converts it to; float64 runs the oracle)."""
+    kind = storage(dtype)
+    return kind.numpy if kind is not None else np.dtype(np.float32)
 
 
 def float_dtype(inputs: dict) -> torch.dtype:

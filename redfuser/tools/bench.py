@@ -39,7 +39,7 @@ from ..tvm.ir import IRBuilder, T, arg_buffer, tirx
 from ..tvm.runtime import build as tvm_build
 from ..tvm.runtime import from_numpy
 from ..tvm.target import cpu_target, default_threads
-from . import quant_bench, train_bench
+from . import precision_bench, quant_bench, train_bench
 from .metaschedule_compare import print_comparison
 from .neighbour import COPY_SIDE, SPIN_ENV, copy_call, samples_ms
 from .timing import median_ms, seconds, settle
@@ -369,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train", action="store_true", help="also the training rows: forward + "
                    "backward against torch eager and torch.compile, time and peak memory "
                    "(redfuser.tools.train_bench, each case in a process of its own)")
+    p.add_argument("--low", action="store_true", help="also the bfloat16 and float16 rows "
+                   "(redfuser.tools.precision_bench): against torch in the same dtype, our "
+                   "float32 kernel and a low-precision copy")
     p.add_argument("--no-metaschedule", action="store_true",
                    help="with --tuned: skip the MetaSchedule comparison")
     args = p.parse_args(argv)
@@ -377,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     run(args.scale, args.repeat, not args.no_compile, args.only, args.tuned)
     if args.tuned and not args.no_metaschedule:
         print_comparison(args.scale, args.ms_trials)
+    if args.low:
+        precision_bench.run(args.scale, args.repeat, args.only)
     if args.train:
         train_bench.run(args.scale, args.repeat, not args.no_compile,
                         [args.only] if args.only else None)

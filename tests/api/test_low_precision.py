@@ -24,15 +24,18 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import redfuser
+import redfuser.torch as rt
 from algebra.dtypes import STORAGE, storage
 from redfuser.lowering import shape_geometry
 from redfuser.tune.db import entry_key
+from redfuser.tvm.cuda import nvcc_compile
 from tests.support import (
     KERNEL_TOL,
     SAFETY,
     cascade_inputs,
     cascades,
     examples,
+    needs_nvcc,
     rule_for,
     sensitivity,
 )
@@ -224,3 +227,55 @@ def test_storage_rows_know_their_units_in_the_last_place():
         one = np.array(1.0, row.numpy)
         assert float(np.spacing(one)) == math.ldexp(1.0, -row.fraction), name
         assert storage(row.numpy) is row and storage(name) is row
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=IDS)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_torch_ops_train_in_low_precision(dtype, compiled):
+    """A redfuser op on bfloat16/float16 tensors returns their dtype and its gradients have
+    it too (torch's convention), within two units in the last place of the gradient's scale
+    of torch's float64 autograd: the backward kernels compute in float32, and both the
+    upstream and the result are rounded to the dtype once."""
+    op = rt.op("layernorm", scalars=("eps",), tune=False)
+    g = torch.Generator().manual_seed(3)
+    leaves = {"x": (torch.randn(6, 256, generator=g) * 3).to(dtype),
+              "g": (torch.rand(256, generator=g) + 0.5).to(dtype),
+              "b": torch.randn(256, generator=g).to(dtype)}
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    args = {**leaves, "eps": 1e-5}
+
+    def model(*a):
+        return op(*a)[op.outputs.index("y")]
+
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    y = run(*(args[n] for n in op.inputs))
+    assert y.dtype == dtype
+    up = torch.randn(y.shape, generator=g).to(dtype)
+    y.backward(up)
+    wide = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    ref = torch.nn.functional.layer_norm(wide["x"], (256,), wide["g"], wide["b"], 1e-5)
+    ref.backward(up.double())
+    ulp = 2.0 ** -STORAGE[str(dtype).removeprefix("torch.")].fraction
+    assert (y.double() - ref).abs().max() <= 2 * ulp * ref.abs().max()
+    for k, v in leaves.items():
+        assert v.grad.dtype == dtype, k
+        want = wide[k].grad
+        # dg and db sum 6 rows of bf16-rounded products: a few units of their scale
+        assert (v.grad.double() - want).abs().max() <= 4 * ulp * want.abs().max(), k
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", LOW, ids=IDS)
+@pytest.mark.parametrize("name", ["softmax", "rmsnorm", "attention"])
+def test_cuda_kernels_in_each_dtype_compile_for_sm90(name, dtype):
+    """The CUDA kernels load and store the same way (float16 through CUDA's half, bfloat16
+    through its int16 bits); ptxas accepts them.  Their numbers are checked on a GPU by
+    ``make gpu-check``."""
+    k = redfuser.compile(name, target="cuda")
+    if name == "attention":
+        k.prepare(q=np.zeros((2, 4, 64), dtype), k=np.zeros((2, 1, 300, 64), dtype),
+                  v=np.zeros((2, 1, 300, 64), dtype), scale=0.125)
+    else:
+        k.prepare(x=np.zeros((5, 300), dtype), **({"g": np.ones(300, dtype), "eps": 1e-5}
+                                                   if name == "rmsnorm" else {}))
+    assert nvcc_compile(k.cuda_source(), arch="sm_90", fmt="cubin")[:4] == b"\x7fELF"

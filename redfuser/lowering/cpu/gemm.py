@@ -40,7 +40,7 @@ from ..invariants import rule_scores, split_invariant
 from ..nests import copy_state, workspace
 from ..products import Product, products, without
 from ..signature import F32, I64
-from ..texpr import const
+from ..texpr import const, loaded
 from .plan import LANES, REGISTER_SCOPE, CpuPlan, rows_loop
 
 
@@ -182,12 +182,13 @@ class _Blocks:
         with T.serial(0, full) as p:
             with T.serial(0, self.length) as k:
                 with T.vectorized(0, nr) as lane:
-                    T.buffer_store(packed, w[0, self.k0 + k, c0 + p * nr + lane], [p, k, lane])
+                    T.buffer_store(packed, loaded(w, [0, self.k0 + k, c0 + p * nr + lane]),
+                                   [p, k, lane])
         with T.serial(full, panels) as p:
             with T.serial(0, self.length) as k:
                 with T.serial(0, nr) as lane:
                     col = c0 + p * nr + lane
-                    inside = w[0, self.k0 + k, tirx.min(col, d - 1)]
+                    inside = loaded(w, [0, self.k0 + k, tirx.min(col, d - 1)])
                     T.buffer_store(packed, tirx.Select(col < d, inside, const(0)), [p, k, lane])
 
     def _micro(self, a, packed, sums, p, col0, mb):

@@ -33,7 +33,7 @@ from ..geometry import Geometry
 from ..nests import copy_state, workspace
 from ..products import Product, products, without
 from ..signature import F32
-from ..texpr import const
+from ..texpr import const, loaded
 from .plan import CudaPlan, threads_for
 
 
@@ -144,7 +144,7 @@ def _load_b(w, geo: Geometry, b, k0, col0, t, threads: int):
         e = t + c * threads
         k, j = tirx.floordiv(e, nc), tirx.floormod(e, nc)
         row, col = k0 + k, col0 + j
-        value = w[0, tirx.min(row, geo.n - 1), tirx.min(col, geo.d - 1)]
+        value = loaded(w, [0, tirx.min(row, geo.n - 1), tirx.min(col, geo.d - 1)])
         inside = tirx.all(row < geo.n, col < geo.d)
         with T.If(e < kc * nc):
             with T.Then():
