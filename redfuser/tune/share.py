@@ -56,12 +56,14 @@ def show(db: TuningDB) -> str:
 def _key_lines(key: str) -> list[tuple[str, str]]:
     try:
         fields = dict(zip(KEY_FIELDS, json.loads(key), strict=True))
-        rows, n, d, inputs = fields["geometry"]
+        rows, n, d, out_dtype, inputs = fields["geometry"]
         shapes = "  ".join(f"{name}={'x'.join(map(str, [*r, length] + ([w] if w > 1 else [])))}"
-                           for name, r, length, w in inputs)
+                           + ("" if dtype == fields["dtype"] else f" {dtype}")
+                           for name, r, length, w, dtype in inputs)
         return [("spec", str(fields["spec"])),
                 ("shape", f"{shapes}  (rows {'x'.join(map(str, rows))}, N {n}, D {d}), "
-                          f"{fields['dtype']}"),
+                          f"{fields['dtype']}" + ("" if out_dtype == fields["dtype"] else
+                                                  f", per-element outputs {out_dtype}")),
                 ("target", f"{fields['target']} on {fields['machine']}"
                            f"{', fast-math' if fields['fast_math'] else ''}")]
     except (ValueError, TypeError):  # not JSON, or not entry_key's layout
