@@ -24,7 +24,7 @@ from numbers import Number
 import numpy as np
 
 from algebra.dtypes import numpy_dtype, storage
-from algebra.layout import Layout, vector_results
+from algebra.layout import Layout, bits_view, vector_results
 from algebra.rule import FusionRule
 from algebra.stages import StagedLowering
 
@@ -201,7 +201,7 @@ def caller_kind(inputs: dict, bits: bool = False):
             if not bits:
                 return convert
             return lambda a: convert(a) if a.dtype.kind != "V" else \
-                convert(a.view(np.int16)).view(getattr(module, a.dtype.name))
+                convert(bits_view(a)).view(getattr(module, a.dtype.name))
     return None
 
 

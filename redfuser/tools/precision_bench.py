@@ -114,9 +114,9 @@ def line(r: dict) -> str:
 
 
 def run(scale: float, repeat: int, only: str | None = None) -> None:
-    try:
+    try:  # torch is optional (a comparison only): without it, the rows lack its column
         import torch
-    except ImportError:  # torch is optional: the rows without its column
+    except ImportError:
         torch = None
     print(f"{'low precision (float32 inside)':<34}{'dtype':<10}"
           + "".join(f"{c:>11}" for c in ("ours", "ours f32", "torch", "copy_")), flush=True)
