@@ -121,7 +121,7 @@ def read_data(lf: Lifting, data, view: View) -> Operand:
         return lf.elem(data, shape)
     ext = lf.ext(data)  # seen through reshapes: the view reshapes anyway
     if not view.perm:
-        return lf.elem(Ext(ext.source, view.out, ext.dtype), view.out)
+        return lf.elem(Ext(ext.source, view.out, ext.dtype, (), ext.storage), view.out)
     steps = (("reshape", shape),) if shape != own else ()
     return lf.elem(Ext(data, view.out, ext.dtype, (*steps, ("perm", view.perm))), view.out)
 

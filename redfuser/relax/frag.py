@@ -25,9 +25,10 @@ def dtype_refusal(dtype: str) -> str:
     Examples
     --------
     >>> dtype_refusal("bfloat16")
-    'tensors of dtype bfloat16: redfuser kernels compute float32 only for now'
+    'tensors of dtype bfloat16: redfuser kernels compute in float32 (a cast to it is read)'
     """
-    return f"tensors of dtype {dtype}: redfuser kernels compute float32 only for now"
+    return (f"tensors of dtype {dtype}: redfuser kernels compute in float32 (a cast to it "
+            "is read)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,6 +44,7 @@ class Input:
     vector: bool  # carries the feature axis D
     rows: tuple[int, ...]  # own row axes in the fragment's frame, 1 where broadcast
     prep: tuple = ()
+    dtype: str = "float32"  # its storage dtype (``algebra.dtypes``): the kernel converts it
 
     def ref(self, name: str) -> str:
         """How the spec reads it."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from algebra.dtypes import COMPUTE, STORAGE
+
 from ..tvm.graph import GenericConst, relax
 from .frag import Frag, Input, Stmt, Unliftable, dtype_refusal, fit, merge
 from .ops import OPS, SEEDS, unlifted_reason
@@ -71,9 +73,9 @@ class Lifter:
     def input(self, ext: Ext, kind: str, vector: bool, rows: tuple, frame, n, d=None):
         """Register a kernel input; returns (spec reference, fragment holding it).  Every
         tensor a kernel reads comes through here, so this is where a cascade on tensors
-        other than float32 is refused, before anything is derived or built."""
+        of other than a storage dtype is refused, before anything is derived or built."""
         _float32(ext)
-        inp = Input(ext.source, kind, vector, tuple(rows), ext.prep)
+        inp = Input(ext.source, kind, vector, tuple(rows), ext.prep, ext.storage)
         name = next((name for known, name in self._inputs
                      if known.source.same_as(inp.source) and known.prep == inp.prep
                      and known.kind == kind and known.vector == vector), None)
@@ -126,17 +128,20 @@ class Lifter:
 
     def ext(self, expr) -> Ext:
         shape = static_shape(expr.ty)
-        return Ext(self.peel(expr), shape, str(expr.ty.dtype))
+        source = self.peel(expr)
+        return Ext(source, shape, str(expr.ty.dtype), (), str(source.ty.dtype))
 
     def peel(self, expr):
         """Follow producers that keep element order (reshape, same-shape broadcast, expand,
-        squeeze): the kernel reshapes its inputs anyway, so those copies are not needed."""
+        squeeze): the kernel reshapes its inputs anyway, so those copies are not needed;
+        and a cast of a bfloat16 or float16 tensor to float32 (exact), which the kernel's
+        loads do in registers (transformers' ``hidden.to(float32)`` before a norm)."""
         while isinstance(expr, relax.Var) and isinstance(self.values.get(expr), relax.Call):
             call = self.values[expr]
             op = _op_name(call)
             same = op == "relax.broadcast_to" and _same_shape(call.args[0], expr)
             if op not in ("relax.reshape", "relax.expand_dims", "relax.squeeze") and not same \
-                    or not self.visible(call.args[0]):
+                    and not _widening(call) or not self.visible(call.args[0]):
                 break
             expr = call.args[0]
         return expr
@@ -246,10 +251,18 @@ def _depends(expr, var, parents: dict) -> bool:
 
 
 def _float32(ext: Ext) -> None:
-    """Refuse an input that is not float32 (``Ext.dtype`` is the dtype after its prep: a
-    boolean condition cast to float32 is float32)."""
-    if ext.dtype != "float32":
+    """Refuse an input the cascade reads as other than float32 (``Ext.dtype`` is the dtype
+    after its prep: a boolean condition cast to float32 is float32): a cascade computed in
+    bfloat16 rounds every step, and a float32 kernel would not compute what it does.  Its
+    storage may be bfloat16 or float16 where the model casts it to float32 first."""
+    if ext.dtype != COMPUTE.name:
         raise Unliftable(dtype_refusal(ext.dtype))
+
+
+def _widening(call) -> bool:
+    """A cast of a lower-precision storage dtype to float32: exact, a load's conversion."""
+    return (_op_name(call) == "relax.astype" and str(call.attrs.dtype) == COMPUTE.name
+            and str(call.args[0].ty.dtype) in STORAGE)
 
 
 def _same_shape(a, b) -> bool:

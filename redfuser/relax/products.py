@@ -122,4 +122,5 @@ def _grouped(lf: Lifting, ext: Ext, lead: tuple):
     inner, full = static_shape(call.args[0].ty), static_shape(ext.source.ty)
     if len(inner) != len(full) or inner[-2:] != full[-2:] or prod(full[:-2]) != prod(lead):
         return None
-    return Ext(lf.peel(call.args[0]), inner, ext.dtype), inner[:-2], full[:-2]
+    source = lf.peel(call.args[0])
+    return Ext(source, inner, ext.dtype, (), str(source.ty.dtype)), inner[:-2], full[:-2]

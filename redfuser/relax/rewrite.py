@@ -15,6 +15,7 @@ from math import prod
 import numpy as np
 
 from algebra import NotFusable, SpecError, derive
+from algebra.dtypes import COMPUTE, argument_dtype, numpy_dtype
 from algebra.layout import Layout
 
 from ..lowering import Geometry, backend, build_primfunc, geometry, signature
@@ -63,10 +64,12 @@ def group_geometry(group: BindingGroup, rule) -> Geometry:
     for nm in names:
         inp = frag.inputs[nm]
         tail = (frag.n if inp.kind == "stream" else 1, frag.d if inp.vector else 1)
-        arrays[nm] = np.broadcast_to(np.float32(0), inp.rows + tail)  # shapes only
+        # shapes and storage dtypes only
+        arrays[nm] = np.broadcast_to(np.zeros((), numpy_dtype(inp.dtype)), inp.rows + tail)
     vector = frozenset(nm for nm in names if frag.inputs[nm].vector)
+    # every output float32, as the Relax values the kernel replaces are
     return geometry(rule, Layout(frag.frame, frag.n, frag.d, np.dtype(np.float32), arrays,
-                                 vector))
+                                 vector), COMPUTE.name)
 
 
 def kernel_for(group: BindingGroup, rule, name: str, tuned: bool = True,
@@ -187,10 +190,13 @@ def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
 def _prepared(inp, shape: tuple, bind):
     """The input's Relax value before its reshape, after its prep steps (``PREP``): a
     transpose, a cast to float32 (an index or a condition), a view that broadcasts a
-    per-channel weight, a permutation that puts the reduced axes last."""
+    per-channel weight, a permutation that puts the reduced axes last; a bfloat16 input
+    is then viewed as its int16 bits, as the kernel declares it (``algebra.dtypes``)."""
     e = inp.source
     for step in prep_steps(inp.prep):
         e = bind(PREP[step[0]](e, *step[1:]), f"rf_{step[0]}")
+    if argument_dtype(inp.dtype) != inp.dtype:  # bfloat16: the kernel declares its bits
+        e = bind(relax.op.memory.view(e, dtype=argument_dtype(inp.dtype)), "rf_bits")
     if not provably_equal(prod(shape_of(e.ty)), prod(shape)):
         raise Unliftable(f"input {shape_of(e.ty)} cannot be read as {shape}")
     return e

@@ -60,8 +60,9 @@ class Ext:
 
     source: object
     shape: tuple[int, ...]
-    dtype: str
+    dtype: str  # of the value the cascade reads: float32, or it is refused
     prep: tuple = ()
+    storage: str = "float32"  # of ``source``: a bfloat16 one cast to float32 is read as it is
 
 
 def static_shape(ty) -> tuple[int, ...]:

@@ -5,9 +5,13 @@ are fused."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
-from redfuser.examples.hf import ARCHS, LENGTHS, evaluate_hf, hf_table
+from redfuser.examples.hf import ARCHS, LENGTHS, build_model, evaluate_hf, hf_table, model_inputs
+from redfuser.relax import FuseCascadedReductions, build, run
+from redfuser.tvm.graph import import_torch
 
 # Hidden states of O(1) (each model ends in a norm), float32 on both sides: the fused
 # kernels' polynomial exp (relative error 8.5e-8) and reassociated sums measured ~1e-6 per
@@ -47,3 +51,25 @@ def test_gpt2_with_sdpa_exports_at_a_symbolic_length_and_fuses():
     assert max(r.errors.values()) < ATOL, (r.errors, str(r.report))
     assert r.unreported == ()
     assert set(ARCHS["gpt2"].must_fuse["sdpa"]) <= r.fused_ops(), str(r.report)
+
+
+@pytest.mark.parametrize("name,fused", [("llama", 4), ("t5", 4)])
+def test_bfloat16_models_fuse_with_their_input_casts_folded(name, fused):
+    """transformers' model in bfloat16: the norms and the softmax are fused with the cast to
+    float32 before them folded into the kernel's loads (bfloat16 read, float32 inside), and
+    the model's output agrees with torch's bfloat16 eager within two bfloat16 units in the
+    last place of its scale (the unfused build is as far: both round the same float32
+    values).  Not fused, unlike float32: a norm whose output is cast back to bfloat16 before
+    its projection (the cast rounds between the norm and the GEMM)."""
+    model = build_model(name, "eager", LAYERS).to(torch.bfloat16)
+    inputs = model_inputs(name, LENGTHS[0])
+    imported = import_torch(model, inputs)
+    fuse = FuseCascadedReductions()
+    mod, report = fuse(imported), fuse.report
+    assert report.fused == fused, str(report)
+    assert str(mod["main"]).count("R.astype") < str(imported["main"]).count("R.astype")
+    with torch.no_grad():
+        want = model(*inputs).float().numpy().astype(np.float64)
+    got = run(build(mod, fuse=False)[0], *(x.numpy() for x in inputs))
+    got = np.asarray(got[0] if isinstance(got, list) else got).astype(np.float64)
+    assert np.max(np.abs(got - want)) <= 2 * 2.0 ** -7 * np.abs(want).max()
