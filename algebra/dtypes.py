@@ -41,7 +41,6 @@ class Storage:
     name: str
     numpy: np.dtype
     fraction: int  # explicit fraction bits: a unit in the last place is 2**(e - fraction)
-    exponent: int  # exponent bits: bfloat16 keeps float32's range, float16 does not
     bits_as: np.dtype | None  # its bits' dtype where a kernel declares it as its bits
     why: str
 
@@ -52,14 +51,15 @@ class Storage:
 
 
 STORAGE = {s.name: s for s in (
-    Storage("float32", np.dtype(np.float32), 23, 8, None, "the compute dtype itself"),
-    Storage("bfloat16", np.dtype(ml_dtypes.bfloat16), 7, 8, np.dtype(np.int16),
+    Storage("float32", np.dtype(np.float32), 23, None, "the compute dtype itself"),
+    Storage("bfloat16", np.dtype(ml_dtypes.bfloat16), 7, np.dtype(np.int16),
             "float32's range with 8 significant bits: what transformers' checkpoints and "
             "training recipes hold"),
-    Storage("float16", np.dtype(np.float16), 10, 5, None,
+    Storage("float16", np.dtype(np.float16), 10, None,
             "11 significant bits, range +-65504: inference checkpoints and vLLM"),
 )}
 COMPUTE = STORAGE["float32"]
+STORED = frozenset(STORAGE)  # the names, as ``algebra.layout.resolve`` keeps them
 
 
 def storage(dtype) -> Storage | None:

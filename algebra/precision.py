@@ -16,8 +16,8 @@ Examples
 >>> from algebra import derive
 >>> [(state, need) for state, need, _ in precision_plan(derive("softmax"))]
 [('m', 'any'), ('d', 'float32')]
->>> precision_lines(derive("softmax"))[1]
-'d: float32 (re-anchored by exp(m_old - m_new) in (0, 1]: no overflow; N terms need float32)'
+>>> precision_lines(derive("softmax"))[1][:45]
+'d: float32 (re-anchored by scaling (exp(m_old'
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ _INDEX = ("int64", "an element's index")
 _SUM = ("float32", "a sum of N terms: each chunk's rounding adds up, and a bfloat16 sum of "
                    "ones stops growing at 256")
 _COUNT = ("float32", "a count: float32 holds it exactly to 2**24, bfloat16 only to 256")
-_SCALED = ("float32", "re-anchored by exp(m_old - m_new) in (0, 1]: no overflow; N terms need "
-                      "float32")
+_SCALED = ("float32", "re-anchored by scaling (exp(m_old - m_new), in (0, 1] for a running "
+                      "max): N terms need float32")
 _MIXED = ("float32", "re-anchored by a shift that mixes its columns ((x - m')**2 from "
                      "(x - m)**2, (x - m), 1): they can cancel")
 # (family, state kind, re-anchoring) -> (need, why); re-anchoring: "scales" (a diagonal

@@ -30,7 +30,7 @@ import numpy as np
 
 from algebra import FusionRule, StagedRule, derive
 from algebra.cascade import LENGTH
-from algebra.dtypes import COMPUTE, STORAGE, storage
+from algebra.dtypes import COMPUTE, STORAGE, STORED, storage
 from algebra.layout import resolve
 
 from .call import CallPlan, call_plan, in_kind, input_arrays, output_arrays
@@ -203,8 +203,7 @@ class Kernel:
             if storage(value.dtype) is None:
                 raise TypeError(f"input '{name}' has dtype {value.dtype}; this kernel stores "
                                 f"{', '.join(STORAGE)} and computes in float32")
-        layout = resolve(self.rule.cascade, inputs, dtype=COMPUTE.numpy,
-                         keep=frozenset(STORAGE))
+        layout = resolve(self.rule.cascade, inputs, dtype=COMPUTE.numpy, keep=STORED)
         _check_feature_axis(layout, inputs)
         return layout
 

@@ -11,14 +11,14 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
 
 from algebra import FusionRule
-from algebra.dtypes import STORAGE, storage
+from algebra.dtypes import STORAGE, STORED, storage
 from algebra.layout import Layout, resolve, vector_results
 
 from .call import user_shape
 from .lowering import geometry, signature
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
-                "float16": torch.float16, "int32": torch.int32, "int64": torch.int64}
+# every storage dtype is torch's of the same name; indices are int64, int8 GEMMs' int32
+TORCH_DTYPES = {name: getattr(torch, name) for name in (*STORAGE, "int32", "int64")}
 
 
 def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch.dtype]]:
@@ -41,7 +41,7 @@ def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch
     stand_ins = {k: np.broadcast_to(np.zeros((), _storage(v.dtype)),
                                     tuple(_hint(rule, k, s) for s in shapes[k]))
                  if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    layout = resolve(rule.cascade, stand_ins, dtype=np.float32, keep=frozenset(STORAGE))
+    layout = resolve(rule.cascade, stand_ins, dtype=np.float32, keep=STORED)
     sig = signature(rule, geometry(rule, layout))
     if any(isinstance(s, torch.SymInt) for shape in shapes.values() for s in shape):
         layout = _symbolic(rule.cascade, layout, shapes)

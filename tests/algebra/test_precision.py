@@ -26,7 +26,7 @@ def test_every_state_of_every_library_rule_has_a_need(name):
 
 @pytest.mark.parametrize("spec,state,need,why", [
     ("softmax", "m", "any", "copies one of its inputs"),
-    ("softmax", "d", "float32", "exp(m_old - m_new) in (0, 1]"),
+    ("softmax", "d", "float32", "exp(m_old - m_new), in (0, 1] for a running max"),
     ("layernorm", "var_sum", "float32", "mixes its columns"),
     ("m = max(x[i])\np = argmax(x[i] - m)", "p", "int64", "index"),
     ("p = prod(x[i])", "p.sign", "any", "a product's sign"),

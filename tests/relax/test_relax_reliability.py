@@ -109,9 +109,9 @@ class LowPrecisionScores(nn.Module):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_inputs_are_refused_before_the_kernel_is_built(dtype):
-    """The kernel read the queries and keys as float32: its call failed TVM's type check
-    ("Argument 0 type mismatch") after derivation and build.  They stay in Relax now; the
+def test_low_precision_scores_stay_in_relax_and_values_are_read_in_their_dtype(dtype):
+    """The kernel once read the queries and keys as float32: its call failed TVM's type
+    check ("Argument 0 type mismatch") after derivation and build.  They stay in Relax; the
     float32 softmax and value product after them are one kernel, which reads the values
     in their own dtype (the cast to float32 folded into its loads).  Its output is the
     float64 oracle of the rounded inputs to float32 precision.  (TVM's own unfused build of
