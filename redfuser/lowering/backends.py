@@ -79,7 +79,7 @@ def backend(target: str) -> Backend:
     ...
     ValueError: target must be one of ['cpu', 'cuda'], not 'gpu'
     """
-    if target not in BACKENDS:
+    if not isinstance(target, str) or target not in BACKENDS:
         raise ValueError(f"target must be one of {sorted(BACKENDS)}, not {target!r}")
     return BACKENDS[target]
 

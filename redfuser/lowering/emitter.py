@@ -67,11 +67,13 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
 
     def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict,
                  simd: int = 1, scratch: str = "local", rounded=None, scores=None,
-                 backend: str | None = None):
+                 backend: str | None = None, narrowing=None):
         self.dot_list = rule_dots(rule)
         rule, self.scores = with_scores(rule, rule_scores(rule) if scores is None else scores)
         self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
         self.rounded = rounded or (lambda v: v)
+        # (storage dtype, lanes) -> the intrinsic that rounds a vector to it, or None
+        self.narrowing = narrowing or (lambda dtype, lanes: None)
         # what varies over the feature axis: those values, and the scores that read them
         self.vec = frozenset(geo.vec) | {k for k, e in self.scores.items()
                                          if carries_feature_axis(e, set(geo.vec))}
@@ -89,6 +91,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         self.stashed: dict[int, list] = {}
         self.stash_end = 0  # elements [0, stash_end) of each row hold stashed values
         self.stash_anchors: dict = {}  # tile anchor symbol -> the value they were written at
+        self.stash_reads: dict = {}  # output -> (buffer, row) its stashed values are read from
         self.slot_simd = simd if plan.lanes == 1 else 1  # lanes > 1: the lane loop is vector
         self.bound_rows: tuple = (None, {})  # (row, input -> its bound row index)
 

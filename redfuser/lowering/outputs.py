@@ -13,7 +13,7 @@ from algebra.stash import tile_anchor
 from ..tvm.ir import T, tirx
 from .geometry import is_streamed
 from .registers import States, working
-from .texpr import stored
+from .texpr import storage_of, stored
 
 STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
 # user's name)
@@ -21,13 +21,17 @@ STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("
 
 class OutputSteps:
     # Stashed per-element outputs (``algebra.stash``) ----------------------------------
-    def stash_into(self, outs: dict, end: int):
+    def stash_into(self, outs: dict, end: int, rows: dict | None = None):
         """The statistics pass writes each stashable output's basis value into ``outs[name]``
-        for elements [0, ``end``) (the caller folds them all at one set of anchors)."""
+        for elements [0, ``end``) (the caller folds them all at one set of anchors), or into
+        ``rows[name]``, a float32 row buffer (1, N, 1) of the thread, where the output's own
+        dtype would round the value before its last multiply."""
         for name, s in self.rule.stashes.items():
             if outs[name].shape[2] == 1:  # a scalar basis value fills a scalar output
                 comp = self.rule.components[s.component]
-                self.stashed.setdefault(id(comp), []).append((s.column, outs[name], None))
+                place = (rows[name], 0) if rows else (outs[name], None)
+                self.stashed.setdefault(id(comp), []).append((s.column, *place))
+                self.stash_reads[name] = place
         self.stash_end = end if self.stashed else 0
 
     def keep_stash_anchors(self, st: States):
@@ -52,29 +56,29 @@ class OutputSteps:
         with ``simd`` > 1 (step 1) the element loop is vectorized in ``simd``-wide chunks.
         Parts of an output that do not depend on the element (``1/d`` of softmax) are
         computed once per row."""
-        stashed = {name for name, buf in outs.items()
-                   if any(b is buf for comp in self.stashed.values() for _, b, _ in comp)}
         for name, expr in self.rule.cascade.elementwise.items():
             first = 0
-            if name in stashed:  # finish the stashed values: one multiply each
+            if name in self.stash_reads:  # finish the stashed values: one multiply each
                 self._outputs(r, outs[name], STASHED * self.rule.stashes[name].factor, 0,
-                              self.stash_end, {STASHED: outs[name]}, self.stash_anchors)
+                              self.stash_end, {STASHED: self.stash_reads[name]},
+                              self.stash_anchors)
                 first = self.stash_end
             self._outputs(r, outs[name], expr, first, self.geo.n, {}, {}, start, step)
 
     def _outputs(self, r, buf, expr, lo: int, hi: int, reads: dict, known: dict,
                  start=0, step: int = 1):
         """buf[r, i] = expr for elements lo <= i < hi (start, start + step, ... with CUDA's
-        strided threads); ``reads``: symbols standing for a buffer's value at the element,
-        ``known``: symbols with per-row values."""
+        strided threads); ``reads``: symbols standing for a buffer's value at the element
+        (symbol -> (buffer, its row: None for ``r``)), ``known``: symbols with per-row values."""
         expr, hoisted = self._per_row(expr, r, frozenset(s.name for s in reads), known)
         width, dots = buf.shape[2], sorted(expr.atoms(Dot), key=str)
 
-        def store(i, slot):
-            values = {s: b[r, i, slot] for s, b in reads.items()}
+        def store(i, slot, lanes: int = 1):
+            values = {s: b[r if row is None else row, i, slot] for s, (b, row) in reads.items()}
             values |= {d: T.bind(self._dot(d, r, i)) for d in dots}  # a loop over D each
             look = self.base_lookup(r, i, slot, {**hoisted, **values})
-            T.buffer_store(buf, stored(self.expr(expr, look), buf.dtype), [r, i, slot])
+            narrow = self.narrowing(storage_of(buf.dtype), lanes) if lanes > 1 else None
+            T.buffer_store(buf, stored(self.expr(expr, look), buf.dtype, narrow), [r, i, slot])
 
         vector = 1 if dots else self.simd  # a dot's own loop cannot sit in a vector lane
         if vector > 1 and width == 1 and step == 1 and (not self.geo.static or
@@ -82,7 +86,7 @@ class OutputSteps:
             full = lo + (hi - lo) // vector * vector
             with T.serial(0, (full - lo) // vector) as c:
                 with T.vectorized(0, vector) as lane:
-                    store(lo + c * vector + lane, 0)
+                    store(lo + c * vector + lane, 0, vector)
             with T.serial(full, hi) as i:
                 store(i, 0)
             return

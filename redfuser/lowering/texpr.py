@@ -46,10 +46,19 @@ def loaded(buf, index: list):
     return value if buf.dtype == "float32" else tirx.Cast("float32", value)
 
 
-def stored(value, dtype: str):
+def storage_of(dtype: str) -> str:
+    """The storage dtype a buffer declared as ``dtype`` holds (bfloat16 as its int16 bits)."""
+    return "bfloat16" if dtype == BF16_BITS else str(dtype)
+
+
+def stored(value, dtype: str, intrinsic: str | None = None):
     """A float32 value as a buffer of ``dtype`` holds it, rounded to nearest even (a NaN
     stays a quiet NaN of its sign; bfloat16: bits + 0x7FFF + the kept lowest bit, the top
-    half kept, as TVM's own legalization and torch round)."""
+    half kept, as TVM's own legalization and torch round).  ``intrinsic``: a CPU
+    instruction that rounds a whole vector of them (``cpu.vector.NARROWINGS``), for a
+    store in a loop vectorized at its width."""
+    if dtype == BF16_BITS and intrinsic:
+        return tirx.call_llvm_pure_intrin(BF16_BITS, intrinsic, value)
     if dtype == BF16_BITS:
         return share(tirx.reinterpret("uint32", value), _bf16_bits)
     return value if dtype == "float32" else tirx.Cast(dtype, value)

@@ -27,6 +27,8 @@ import redfuser
 import redfuser.torch as rt
 from algebra.dtypes import STORAGE, storage
 from redfuser.lowering import shape_geometry
+from redfuser.lowering.cpu.plan import LANES, TILE_ELEMENTS, stash_applies, stash_rows
+from redfuser.lowering.cpu.vector import host_narrowing
 from redfuser.tune.db import entry_key
 from redfuser.tvm.cuda import nvcc_compile
 from tests.support import (
@@ -49,12 +51,15 @@ LIBRARY = {"softmax": {}, "log_softmax": {}, "layernorm": {"eps": 1e-5},
 
 def ulps(got: np.ndarray, ref: np.ndarray, dtype) -> np.ndarray:
     """|got - ref rounded to dtype| in units of the last place of that rounding; 0 where
-    both are the same infinity or both NaN."""
+    both are the same infinity or both NaN.  The unit is at least float32's smallest
+    normal: bfloat16's subnormals are float32's, which the float32 compute flushes (the
+    polynomial exp returns 0 below -87.3), so there only float32's own floor holds."""
     want = np.asarray(ref, np.float64).astype(dtype)
     got64, want64 = np.asarray(got).astype(np.float64), want.astype(np.float64)
     same = (got64 == want64) | (np.isnan(got64) & np.isnan(want64))
     with np.errstate(invalid="ignore"):
-        spacing = np.abs(np.spacing(want).astype(np.float64))
+        spacing = np.maximum(np.abs(np.spacing(want).astype(np.float64)),
+                             np.finfo(np.float32).tiny)
         out = np.abs(got64 - want64) / np.where(np.isfinite(spacing), spacing, 1.0)
     return np.where(same, 0.0, np.where(np.isnan(out), np.inf, out))
 
@@ -101,6 +106,26 @@ def test_library_outputs_are_the_oracle_rounded_to_their_dtype(name, dtype, rows
         else:  # per-row results stay float32
             assert value.dtype == np.float32
             np.testing.assert_allclose(value, ref[o], rtol=KERNEL_TOL, atol=KERNEL_TOL)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=IDS)
+@pytest.mark.parametrize("rows,n", [(6, 300), (96, 1000), (7, TILE_ELEMENTS + 3)])
+def test_stashed_low_precision_outputs_keep_float32_rows(dtype, rows, n):
+    """A low-precision softmax output is stashed in a float32 row buffer of the thread (one
+    exp per element; in its own dtype the value would be rounded twice), one thread or
+    several; rows with NaN, +inf, all -inf, a new maximum in the tail after the stashed tile
+    and exps that underflow.  A row longer than one tile is not stashed."""
+    g = np.random.default_rng(n)
+    x = (g.normal(size=(rows, n)) * 4).astype(dtype)
+    x[1, n // 3], x[2, :], x[3, 5], x[4, -1], x[5, ::3] = np.nan, -np.inf, np.inf, 60.0, -80.0
+    kernel = redfuser.compile("softmax", tune=False)
+    out = kernel(x=x)
+    ref = _oracle("softmax", {"x": x})
+    assert_one_ulp(out["y"], ref["y"], dtype, "softmax y")
+    one_tile = n < 2 * TILE_ELEMENTS
+    assert ("stashed" in kernel.plan.reason) == one_tile
+    assert stash_rows(kernel.geometry(x=x)) and stash_applies(
+        kernel.rule, kernel.geometry(x=x), kernel.plan) == one_tile
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=IDS)
@@ -204,6 +229,34 @@ def test_conversions_are_in_registers(dtype):
         f"the kernel calls {sorted(called)}"
     if dtype is np.float16 and "vcvtph2ps" not in asm:
         pytest.fail("float16 loads are not F16C conversions")
+    if dtype is ml_dtypes.bfloat16:  # one instruction per vector where the CPU has one
+        assert ("vcvtneps2bf16" in asm) == (host_narrowing("bfloat16", LANES) is not None)
+
+
+def test_bfloat16_stores_round_to_nearest_even():
+    """Stores into bfloat16 round as ml_dtypes (and torch) do: ties to even, overflow to
+    infinity, NaN kept a NaN, infinities kept, in the vector loop and its scalar tail.  A
+    float32 subnormal becomes a zero of its sign where the CPU's own conversion is used
+    (``cpu.vector.NARROWINGS``: it flushes them), else rounds like the rest."""
+    bits = np.array([0x3F808000, 0x3F818000, 0x3F80C000, 0x3F80FFFF, 0xBF808001, 0x7F7FFFFF,
+                     0x7F7F8000, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFA00000, 0x00000000,
+                     0x80000000, 0x00000001, 0x807FFFFF, 0x00800000], np.uint32)
+    x = np.resize(bits.view(np.float32), (3, 16 * LANES + 5))  # vector chunks and a tail
+    spec = "n = sum(1)\ny[i] = x[i] * n / N"  # n / N is 1 exactly: y is x, rounded once
+    y = redfuser.compile(spec, tune=False, out_dtype=ml_dtypes.bfloat16)(x=x)["y"]
+    with np.errstate(invalid="ignore"):
+        want = x.astype(ml_dtypes.bfloat16)
+    nan = np.isnan(x)
+    subnormal = (x != 0) & (np.abs(x) < np.finfo(np.float32).tiny)
+    exact = ~nan & ~subnormal
+    assert np.array_equal(y.view(np.uint16)[exact], want.view(np.uint16)[exact])
+    assert np.isnan(y.astype(np.float32)[nan]).all()
+    got, rounded = y.view(np.uint16)[subnormal], want.view(np.uint16)[subnormal]
+    flushed = np.copysign(0.0, x[subnormal]).astype(ml_dtypes.bfloat16).view(np.uint16)
+    if host_narrowing("bfloat16", LANES) is None:
+        assert np.array_equal(got, rounded)
+    else:  # the vector loop flushes, its scalar tail rounds
+        assert np.all((got == flushed) | (got == rounded)) and (got == flushed).any()
 
 
 def test_the_tuning_key_and_the_build_cache_hold_the_dtype():

@@ -171,11 +171,17 @@ def lane_aligned(rule: FusionRule) -> bool:
 def stash_applies(rule: FusionRule, geo: Geometry, plan: CpuPlan) -> bool:
     """Per-element outputs are stashed (``algebra.stash``: written by the statistics pass,
     finished with one multiply) when the row is a single tile of aligned lanes: every
-    stashed value was then computed at the same anchors, held in lane 0 afterwards.  Not
-    into a low-precision output: the stashed value would be rounded twice."""
+    stashed value was then computed at the same anchors, held in lane 0 afterwards.  A
+    low-precision output is stashed into a float32 row buffer of the thread instead
+    (``stash_rows``): in its own dtype the value would be rounded twice."""
     return (bool(rule.stashes) and plan.variant == "rolling" and plan.row_block == 1 and
-            geo.out_dtype == F32 and
             single_tile(rule, geo, plan.lanes, plan.tile))
+
+
+def stash_rows(geo: Geometry) -> bool:
+    """Are stashed values kept in a float32 row buffer per thread rather than in the
+    outputs (outputs stored in a narrower dtype than the float32 compute)?"""
+    return geo.out_dtype != F32
 
 
 def single_tile(rule: FusionRule, geo: Geometry, lanes: int, tile: int) -> bool:

@@ -41,13 +41,15 @@ from .plan import (
     rows_loop,
     stage_plan,
     stash_applies,
+    stash_rows,
     vector_lanes,
 )
+from .vector import host_narrowing
 
 
 def _emitter(rule, geo, plan, bufs, rowvals, scores=None) -> Emitter:
     return Emitter(rule, geo, plan, bufs, rowvals, simd=LANES, scratch=REGISTER_SCOPE,
-                   rounded=llvm_rounded, scores=scores, backend="cpu")
+                   rounded=llvm_rounded, scores=scores, backend="cpu", narrowing=host_narrowing)
 
 
 def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
@@ -111,9 +113,12 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=No
     em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results}, scores)
     if plan.row_block > 1:
         return _rolling_blocks(em, geo, plan, results, elementwise)
-    if elementwise and stash_applies(rule, geo, plan):
+    stash = bool(elementwise) and stash_applies(rule, geo, plan)
+    if stash and not stash_rows(geo):
         em.stash_into(elementwise, plan.lanes * plan.tile)
-    with rows_loop(geo)(0, geo.r) as r:
+    with _stash_rows(geo, rule.stashes if stash and stash_rows(geo) else {}) as (r, rows):
+        if rows:
+            em.stash_into(elementwise, plan.lanes * plan.tile, rows)
         if not geo.static:
             em.bind_rows(r)
         st = em.states(2 * plan.lanes)
@@ -122,6 +127,21 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=No
         _fold(em, st, r, tirx.const(0, I64), _extent(geo.n), plan.lanes, plan.tile)
         em.finalize(st, r, results)
         em.elementwise(r, elementwise)
+
+
+@contextmanager
+def _stash_rows(geo: Geometry, stashes: dict):
+    """The rolling loop over rows; with ``stashes`` (outputs stashed in float32 rows,
+    ``plan.stash_rows``) a thread's rows share one (1, N, 1) float32 buffer per output.
+    Yields (row, output -> its row buffer)."""
+    if not stashes:
+        with rows_loop(geo)(0, geo.r) as r:
+            yield r, {}
+        return
+    scratch = lambda: {name: T.alloc_buffer((1, geo.n, 1), F32, scope=REGISTER_SCOPE)  # noqa: E731
+                       for name in stashes}
+    with _thread_rows(geo, scratch) as (r, rows):
+        yield r, rows
 
 
 def _extent(n):
