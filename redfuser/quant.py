@@ -7,8 +7,10 @@ oracle)::
     a = max(abs(x[i]))
     y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a / 127 * ws[:]
 
-with ``x`` float32 (*rows, K), ``wq`` int8 (K, N), ``ws`` float32 (N,), ``y`` float32
-(*rows, N).  The quantized values are numpy's float32 evaluation of the same expression,
+with ``x`` float32, bfloat16 or float16 (*rows, K), ``wq`` int8 (K, N), ``ws`` float32 (N,),
+``y`` float32 (*rows, N).  Low-precision activations are converted to float32 as the
+kernel loads them (exact: ``algebra.dtypes``), and the result is that of those float32
+values.  The quantized values are numpy's float32 evaluation of the same expression,
 their products with the weights are summed exactly in int32, and the scaling is the
 spec's, left to right in float32: ``y`` is bit-identical to numpy quantize-then-GEMM.  The
 kernel (``lowering.cpu.int8``) uses AMX tiles where the CPU has them and Linux grants them to
@@ -26,7 +28,9 @@ import numpy as np
 import sympy as sp
 
 from algebra import NotFusable, derive
+from algebra.dtypes import STORAGE
 from algebra.functions import bounds
+from algebra.layout import bits_view
 
 from .lowering.cpu.int8 import quant_gemm as quant_gemm_func
 from .lowering.cpu.int8_isa import DotIsa, check_k
@@ -39,9 +43,9 @@ from .tvm.target import cpu_has, device, host_grants_amx, host_int8_target
 QUANT_GEMM_SPEC = ("a = max(abs(x[i]))\n"
                    "y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a / 127 * ws[:]")
 FUNC_NAME, PACK_NAME = "quant_gemm", "pack_weights"
-# argument -> (dtype, what its shape must be), checked before anything runs
-EXPECTED = {"x": (np.float32, "(*rows, K)"), "wq": (np.int8, "(K, N)"),
-            "ws": (np.float32, "(N,)")}
+# argument -> (its dtypes, what its shape must be), checked before anything runs
+EXPECTED = {"x": (tuple(s.numpy for s in STORAGE.values()), "(*rows, K)"),
+            "wq": ((np.dtype(np.int8),), "(K, N)"), "ws": ((np.dtype(np.float32),), "(N,)")}
 
 
 INT8 = (-128, 127)  # the weights' range: an int8 stream
@@ -107,7 +111,7 @@ class QuantGemm:
             raise RuntimeError(f"target {self.target} has AMX, and this process may not use "
                                "AMX tiles (Linux refused ARCH_REQ_XCOMP_PERM)")
         self.range = integer_product_range()  # the proof the int32 sums rest on
-        self._built: dict[tuple, object] = {}  # (m, k, n, packed) -> executable
+        self._built: dict[tuple, object] = {}  # (m, k, n, packed, x's dtype) -> executable
         self._scratch = threading.local()  # .buffers: (m, k, n, packed) -> scratch arrays
         self._packers: dict[tuple, object] = {}  # (k, n) -> pack_weights executable
         self._last = None
@@ -142,13 +146,14 @@ class QuantGemm:
     def _args(self, x: np.ndarray, wq, ws: np.ndarray, y: np.ndarray) -> tuple:
         """The executable for these shapes and its arguments, packed weights or not."""
         (m, k), n, packed = x.shape, y.shape[1], isinstance(wq, PackedWeights)
-        key = (m, k, n, packed)
-        if key not in self._built:
-            self._built[key] = build(quant_gemm_func(self.isa, m, k, n, FUNC_NAME, packed),
-                                     self.target)
-        self._last = ex = self._built[key]
+        key, dtype = (m, k, n, packed), x.dtype.name
+        if key + (dtype,) not in self._built:
+            self._built[key + (dtype,)] = build(
+                quant_gemm_func(self.isa, m, k, n, FUNC_NAME, packed, dtype), self.target)
+        self._last = ex = self._built[key + (dtype,)]
         weights = wq.arrays if packed else (wq,)
-        return ex, [from_numpy(a) for a in (x, *weights, ws, y, *self._scratch_for(key))]
+        return ex, [from_numpy(a) for a in (bits_view(x), *weights, ws, y,
+                                             *self._scratch_for(key))]
 
     def _scratch_for(self, key: tuple) -> list[np.ndarray]:
         """This thread's scratch buffers for shape ``key``, allocated on its first call:
@@ -190,11 +195,11 @@ class PackedWeights:
 
 def _checked_array(name: str, value) -> np.ndarray:
     """``value`` as a C-contiguous array of the input's dtype, or a clear error naming it."""
-    dtype, shape = EXPECTED[name]
+    dtypes, shape = EXPECTED[name]
     a = np.asarray(value)
-    if a.dtype != dtype:
-        raise TypeError(f"input '{name}' has dtype {a.dtype}; expected {np.dtype(dtype)} "
-                        f"of shape {shape}")
+    if a.dtype not in dtypes:
+        raise TypeError(f"input '{name}' has dtype {a.dtype}; expected "
+                        f"{' or '.join(d.name for d in dtypes)} of shape {shape}")
     return np.ascontiguousarray(a)
 
 

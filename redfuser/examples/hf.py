@@ -144,10 +144,12 @@ class HFResult:
     unfused_ms: float | None = None
     fused_ms: float | None = None
     seconds: float = 0.0
+    dtype: str = "float32"  # the model's parameters and activations
 
     @property
     def label(self) -> str:
-        return f"{self.name}/{self.attn}"
+        return f"{self.name}/{self.attn}" + ("" if self.dtype == "float32" else
+                                             f"/{self.dtype}")
 
     def fused_ops(self) -> set[str]:
         """The op kinds ("softmax", "mean", ...) of every fused cascade."""
@@ -155,9 +157,12 @@ class HFResult:
 
 
 def evaluate_hf(name: str, attn: str = "eager", lengths=LENGTHS, layers: int = 2,
-                dynamic: bool = True, timing: bool = True, repeat: int = 10) -> HFResult:
-    """Export (symbolic length first when ``dynamic``), fuse, build, run at ``lengths``."""
-    start, model = time.perf_counter(), build_model(name, attn, layers)
+                dynamic: bool = True, timing: bool = True, repeat: int = 10,
+                dtype: str = "float32") -> HFResult:
+    """Export (symbolic length first when ``dynamic``), fuse, build, run at ``lengths``;
+    ``dtype``: the model's (``torch_dtype``), its error against torch's eager in it."""
+    start = time.perf_counter()
+    model = build_model(name, attn, layers).to(getattr(torch, dtype))
     # the static pass as a yardstick: a symbolic build must fuse as much (its kernels are
     # compiled only if the static export is the one built)
     static = _fuse(import_torch(model, model_inputs(name, lengths[0])), check_build=not dynamic)
@@ -180,7 +185,7 @@ def evaluate_hf(name: str, attn: str = "eager", lengths=LENGTHS, layers: int = 2
     missing = tuple(b for b in reduction_bindings(chosen.imported)
                     if b not in named(chosen.report))
     return HFResult(name, attn, mode, note, chosen.report, errors, missing, *times,
-                    seconds=time.perf_counter() - start)
+                    seconds=time.perf_counter() - start, dtype=dtype)
 
 
 def reduction_bindings(mod) -> list[str]:
@@ -224,7 +229,7 @@ def _try_dynamic(model, name: str, seq: int):
 
 def _max_error(model, executable, inputs) -> float:
     with torch.no_grad():
-        expected = model(*inputs).numpy().astype(np.float64)
+        expected = model(*inputs).float().numpy().astype(np.float64)
     got = run(executable, *(x.numpy() for x in inputs))
     got = got[0] if isinstance(got, list) else got
     return float(np.max(np.abs(np.asarray(got, np.float64) - expected)))
@@ -290,5 +295,6 @@ def evaluate_all(names=tuple(ARCHS), attns=ATTENTION, **options) -> list[HFResul
                 out.append(evaluate_hf(name, attn, **options))
             except Exception as e:  # noqa: BLE001 - one model's failure is its row, not the run's
                 why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
-                out.append(HFResult(name, attn, "failed", why, FuseReport(), {}))
+                out.append(HFResult(name, attn, "failed", why, FuseReport(), {},
+                                    dtype=options.get("dtype", "float32")))
     return out

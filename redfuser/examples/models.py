@@ -216,6 +216,8 @@ def main(argv=None) -> int:
     parser.add_argument("--attn", default=",".join(hf.ATTENTION),
                         help="attn_implementation values for the transformers models")
     parser.add_argument("--layers", type=int, default=2, help="transformers layers")
+    parser.add_argument("--dtype", default="float32",
+                        help="the transformers models' dtypes, e.g. float32,bfloat16,float16")
     args = parser.parse_args(argv)
     results = [evaluate(e, timing=not args.no_time, repeat=args.repeat)
                for e in examples(seq=args.seq)]
@@ -227,8 +229,9 @@ def main(argv=None) -> int:
         print(f"\ntransformers {hf.transformers.__version__} models ({args.layers} layers, hidden "
               f"{hf.HIDDEN}, {hf.HEADS} heads, vocab {hf.VOCAB}, batch {hf.BATCH}); max |err| "
               "against PyTorch at each length, times at the first:")
-        print(hf.hf_table(hf.evaluate_all(names, args.attn.split(","), layers=args.layers,
-                                          timing=not args.no_time)))
+        print(hf.hf_table([r for dtype in args.dtype.split(",") for r in hf.evaluate_all(
+            names, args.attn.split(","), layers=args.layers, timing=not args.no_time,
+            dtype=dtype)]))
     return 0
 
 

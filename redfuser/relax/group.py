@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from algebra.dtypes import COMPUTE, STORAGE
+
 from ..report import GroupReport
 from ..tvm.graph import relax
 from .frag import Frag, Stmt, Unliftable, closure, merge
@@ -28,6 +30,10 @@ class BindingGroup:
     outputs: dict = field(default_factory=dict)  # Relax var -> spec output names
     needed: list = field(default_factory=list)  # statements of the spec, in order
     elem_dots: frozenset = frozenset()  # inlined matmuls read again by per-element outputs
+    # per-element sinks the model reads only through a cast to a low-precision dtype: sink
+    # var -> the cast's var (``narrowed``); the kernel stores them in ``out_dtype``
+    casts: dict = field(default_factory=dict)
+    out_dtype: str = COMPUTE.name
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -44,17 +50,49 @@ class BindingGroup:
         return frozenset(name for names in self.outputs.values() for name in names)
 
 
-def sinks(lf: Lifter) -> list:
-    """Lifted values with a reduction that something outside their own lifting reads."""
-    readers: dict = {}
+def readers(lf: Lifter) -> dict:
+    """Each Relax var of the function -> the vars of the bindings that read it (None: the
+    function's result)."""
+    out: dict = {}
     for blk in lf.func.body.blocks:
         for b in blk.bindings:
             for v in relax.analysis.free_vars(b.value):
-                readers.setdefault(v, []).append(b.var)
+                out.setdefault(v, []).append(b.var)
     for v in relax.analysis.free_vars(lf.func.body.body):
-        readers.setdefault(v, []).append(None)
+        out.setdefault(v, []).append(None)
+    return out
+
+
+def sinks(lf: Lifter) -> list:
+    """Lifted values with a reduction that something outside their own lifting reads."""
+    read = readers(lf)
     return [(v, node) for v, node in lf.nodes.items() if node.frag.reduces
-            and any((r, v) not in lf.absorbed for r in readers.get(v, []))]
+            and any((r, v) not in lf.absorbed for r in read.get(v, []))]
+
+
+def narrowed(lf: Lifter, g: BindingGroup) -> None:
+    """Fold the casts after the group's per-element outputs into the kernel's stores: where
+    each one is read only by a cast to the same bfloat16 or float16 dtype in this block
+    (transformers' ``softmax(..., dtype=float32).to(query.dtype)``), the kernel stores that
+    dtype, rounding once to nearest even as the cast does, and the cast's value is the
+    kernel's output.  Otherwise every output stays float32."""
+    elems = [v for v, node in g.sinks if node.kind == "elem"]
+    here, read, casts = {b.var for b in lf.block.bindings}, readers(lf), {}
+    for v in elems:
+        (reader, *more) = read.get(v, [None])
+        if more or reader not in here or not _narrowing(lf.values.get(reader)):
+            return
+        casts[v] = reader
+    dtypes = {str(lf.values[c].attrs.dtype) for c in casts.values()}
+    if len(dtypes) == 1:
+        g.casts, g.out_dtype = casts, dtypes.pop()
+
+
+def _narrowing(value) -> bool:
+    """A cast of a float32 tensor to a lower-precision storage dtype."""
+    return (isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.astype"
+            and str(value.args[0].ty.dtype) == COMPUTE.name
+            and str(value.attrs.dtype) in STORAGE and str(value.attrs.dtype) != COMPUTE.name)
 
 
 def form_groups(lf: Lifter) -> list[BindingGroup]:
@@ -74,6 +112,7 @@ def form_groups(lf: Lifter) -> list[BindingGroup]:
             groups.append(BindingGroup(node.frag, [(var, node)]))
     for g in groups:
         _write_spec(g)
+        narrowed(lf, g)
     return [g for g in groups if is_cascade(g)]
 
 

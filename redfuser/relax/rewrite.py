@@ -15,7 +15,7 @@ from math import prod
 import numpy as np
 
 from algebra import NotFusable, SpecError, derive
-from algebra.dtypes import COMPUTE, argument_dtype, numpy_dtype
+from algebra.dtypes import argument_dtype, numpy_dtype
 from algebra.layout import Layout
 
 from ..lowering import Geometry, backend, build_primfunc, geometry, signature
@@ -67,9 +67,10 @@ def group_geometry(group: BindingGroup, rule) -> Geometry:
         # shapes and storage dtypes only
         arrays[nm] = np.broadcast_to(np.zeros((), numpy_dtype(inp.dtype)), inp.rows + tail)
     vector = frozenset(nm for nm in names if frag.inputs[nm].vector)
-    # every output float32, as the Relax values the kernel replaces are
+    # every output float32, as the Relax values the kernel replaces are, unless the model
+    # casts the per-element ones down (``group.narrowed``)
     return geometry(rule, Layout(frag.frame, frag.n, frag.d, np.dtype(np.float32), arrays,
-                                 vector), COMPUTE.name)
+                                 vector), group.out_dtype)
 
 
 def kernel_for(group: BindingGroup, rule, name: str, tuned: bool = True,
@@ -83,7 +84,8 @@ def kernel_for(group: BindingGroup, rule, name: str, tuned: bool = True,
     func = _relax_callee(build_primfunc(rule, geo, plan, name, target, keep=group.read))
     inputs = tuple((nm, group.frag.inputs[nm], (g.count, g.length, g.width))
                    for nm, g in sorted(geo.inputs.items()))
-    outputs = tuple((a.name, a.shape, a.dtype) for a in signature(rule, geo, group.read).outputs)
+    outputs = tuple((a.name, a.shape, argument_dtype(a.dtype))
+                    for a in signature(rule, geo, group.read).outputs)
     return FusedFunc(name, func, inputs, outputs, plan, choice.tuned, target)
 
 
@@ -109,8 +111,8 @@ def dynamic_call_shapes(group: BindingGroup, rule, dims) -> tuple[tuple, tuple]:
     sig = signature(rule, geo, group.read)
     inputs = tuple((a.name, group.frag.inputs[a.name],
                     tuple(dims(v) for v in param_shape(a, geo, True))) for a in sig.inputs)
-    outputs = tuple((a.name, tuple(dims(v) for v in param_shape(a, geo, False)), a.dtype)
-                    for a in sig.outputs)
+    outputs = tuple((a.name, tuple(dims(v) for v in param_shape(a, geo, False)),
+                     argument_dtype(a.dtype)) for a in sig.outputs)
     return inputs, outputs
 
 
@@ -164,20 +166,20 @@ def splice(func, block_index: int, group: BindingGroup, gv, kernel: FusedFunc):
     # one output: call_tir's value is that tensor, not a tuple of one
     call = bind(relax.call_tir(gv, args, types if len(types) > 1 else types[0]), kernel.name)
     index = {name: k for k, (name, _, _) in enumerate(kernel.outputs)}
-    for var, node in group.sinks:
-        parts = []
-        for field, out in zip(node.fields or (node,), group.outputs[var], strict=True):
+    for sink, node in group.sinks:
+        var, parts = group.casts.get(sink, sink), []  # a folded cast: its value is the output
+        for field, out in zip(node.fields or (node,), group.outputs[sink], strict=True):
             shape = field.shape if node.fields else shape_of(var.ty)
             if not provably_equal(prod(shape), prod(kernel.outputs[index[out]][1])):
                 raise Unliftable(f"output {var.name} {shape} does not match the kernel's "
                                  f"{kernel.outputs[index[out]][1]}")
             item = call if len(types) == 1 else bind(relax.TupleGetItem(call, index[out]),
                                                      f"{kernel.name}_{out}")
-            parts.append(_output(item, shape, field.perm, bind))
+            parts.append(_output(_stored(item, var, bind), shape, field.perm, bind))
         value = parts[0] if len(parts) == 1 else relax.Tuple(
             [bind(p, f"{var.name}_{k}") for k, p in enumerate(parts)])
         new.append(relax.VarBinding(var, bb.normalize(value)))
-    replaced = {var for var, _ in group.sinks}
+    replaced = {group.casts.get(var, var) for var, _ in group.sinks}
     first = next(k for k, b in enumerate(block.bindings) if b.var in replaced)
     kept = [b for b in block.bindings if b.var not in replaced]
     bindings = _topological(kept[:first] + new + kept[first:])
@@ -200,6 +202,15 @@ def _prepared(inp, shape: tuple, bind):
     if not provably_equal(prod(shape_of(e.ty)), prod(shape)):
         raise Unliftable(f"input {shape_of(e.ty)} cannot be read as {shape}")
     return e
+
+
+def _stored(item, var, bind):
+    """A kernel output as the dtype of the Relax value it becomes: a bfloat16 output comes
+    as its int16 bits (``algebra.dtypes``) and is viewed back."""
+    want = str(var.ty.dtype)
+    if argument_dtype(want) == want or str(item.ty.dtype) == want:
+        return item
+    return bind(relax.op.memory.view(item, dtype=want), "rf_stored")
 
 
 def _swap_last(e):

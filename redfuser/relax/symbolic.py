@@ -147,7 +147,8 @@ def _original(group, probe: dict, names: dict):
                        for f in node.fields)
         sinks.append((_var(var, names), dataclasses.replace(node, fields=fields)))
     outputs = {_var(v, names): outs for v, outs in group.outputs.items()}
-    return dataclasses.replace(group, sinks=sinks, outputs=outputs)
+    casts = {_var(v, names): _var(c, names) for v, c in group.casts.items()}
+    return dataclasses.replace(group, sinks=sinks, outputs=outputs, casts=casts)
 
 
 def _var_map(spec, orig) -> dict:

@@ -187,6 +187,25 @@ def test_quant_gemm_is_bit_identical_to_numpy(isa, rows, k, n):
 
 
 @pytest.mark.parametrize("isa", HOST_ISAS, ids=lambda isa: isa.name)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bf16", "fp16"])
+def test_low_precision_activations_are_their_float32_values(isa, dtype):
+    """bfloat16 and float16 activations are read in their own dtype and converted as they
+    are loaded (exact): the result is numpy's quantize-then-GEMM of their float32 values, bit
+    for bit, NaN rows and quantization ties included; one build per activation dtype."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((9, 200)) * 3).astype(dtype)
+    x[1, 5], x[2, :16] = np.inf, TIES[:16].astype(dtype)  # inf / inf and NaN: NaN rows
+    x[3] = (np.arange(200) % 5 - 2).astype(dtype) * 0.5  # exact .5 ties after the scaling
+    wq = rng.integers(-127, 128, (200, 70), dtype=np.int8)
+    ws = (rng.random(70) / 50).astype(np.float32)
+    kernel = QuantGemm(HOST, isa)
+    y = kernel(x, wq, ws)
+    assert y.dtype == np.float32
+    np.testing.assert_array_equal(y, numpy_quant_gemm(x.astype(np.float32), wq, ws))
+    np.testing.assert_array_equal(kernel(x.astype(np.float32), wq, ws), y)
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS, ids=lambda isa: isa.name)
 def test_packed_weights_give_the_same_bits(isa):
     """Weights packed once (``pack``) and reused over calls and row counts give what
     packing per call gives, bit for bit, and numpy's quantize-then-GEMM."""
@@ -224,7 +243,8 @@ def test_quant_gemm_empty_and_errors():
     assert np.isnan(quant_gemm(np.ones((2, 0), np.float32), wq[:0], ws)).all()  # 0 * -inf
     with pytest.raises(TypeError, match="'wq' has dtype float32; expected int8"):
         quant_gemm(np.ones((2, 4), np.float32), wq.astype(np.float32), ws)
-    with pytest.raises(TypeError, match="'x' has dtype float64; expected float32"):
+    with pytest.raises(TypeError, match="'x' has dtype float64; expected float32 or bfloat16 "
+                                        "or float16"):
         quant_gemm(np.ones((2, 4)), wq, ws)
     with pytest.raises(ValueError, match=r"wq \(K, N\), ws \(N,\) with matching K and N"):
         quant_gemm(np.ones((2, 5), np.float32), wq, ws)

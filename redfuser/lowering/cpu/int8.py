@@ -13,9 +13,11 @@ whose ``a`` is 0, inf or NaN is NaN in numpy (0/0, inf/inf, NaN), and NaN here.
 
 from __future__ import annotations
 
+from algebra.dtypes import argument_dtype
+
 from ...tvm.ir import IRBuilder, T, arg_buffer, tirx
 from ..signature import F32, I32
-from ..texpr import const, round_half_even
+from ..texpr import const, loaded, round_half_even
 from .int8_isa import I8, QMAX, DotIsa, check_k, check_range
 from .int8_kernel import gemm, lanes_of, like
 from .int8_pack import ROW_LANES, arguments, pack_into, scratch_shapes, weight_shapes
@@ -70,12 +72,14 @@ def int8_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "int8_gemm"):
 
 
 def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm",
-               packed: bool = False):
-    """PrimFunc ``(x f32 (m, k), wq int8 (k, n), ws f32 (n,), y f32 (m, n), *scratch)`` of the
+               packed: bool = False, x_dtype: str = F32):
+    """PrimFunc ``(x (m, k), wq int8 (k, n), ws f32 (n,), y f32 (m, n), *scratch)`` of the
     cascade ``a = max(abs(x[i])); y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :])
     * a / 127 * ws[:]``: per-token quantization while the row is in cache, then the integer
     GEMM.  ``packed``: the weights come as ``pack_weights`` left them (``weight_shapes``'
-    buffers in place of ``wq``, not in the scratch).
+    buffers in place of ``wq``, not in the scratch).  ``x_dtype``: the activations' storage
+    dtype (``algebra.dtypes``); each is converted to float32 as it is loaded (exact), so the
+    result is that of their float32 values.
 
     Examples
     --------
@@ -90,7 +94,7 @@ def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm",
         with T.prim_func():
             T.func_name(name)
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
-            x = arg_buffer("x", (m, k), F32)
+            x = arg_buffer("x", (m, k), argument_dtype(x_dtype))
             given = arguments(weight_shapes(isa, k, n) if packed else {"wq": ((k, n), I8)})
             ws, y = arg_buffer("ws", (n,), F32), arg_buffer("y", (m, n), F32)
             bufs = {**arguments(scratch_shapes(isa, m, k, n, packed)), **given}
@@ -111,10 +115,10 @@ def _row_amax_bits(x, r, k: int):
         T.buffer_store(lanes, tirx.const(0, I32), [j])
     with T.serial(0, k // ROW_LANES) as c:
         with T.vectorized(0, ROW_LANES) as j:
-            bits = _abs_bits(x[r, c * ROW_LANES + j])
+            bits = _abs_bits(loaded(x, [r, c * ROW_LANES + j]))
             T.buffer_store(lanes, tirx.max(lanes[j], bits), [j])
     with T.serial(k // ROW_LANES * ROW_LANES, k) as kk:
-        T.buffer_store(lanes, tirx.max(lanes[0], _abs_bits(x[r, kk])), [0])
+        T.buffer_store(lanes, tirx.max(lanes[0], _abs_bits(loaded(x, [r, kk]))), [0])
     with T.serial(1, ROW_LANES) as j:
         T.buffer_store(lanes, tirx.max(lanes[0], lanes[j]), [0])
     return lanes[0]
@@ -133,7 +137,7 @@ def _quantize_row(isa: DotIsa, x, u, amax, r, k: int):
     T.buffer_store(amax, tirx.Select(good, a, const(float("nan"))), [r])
 
     def store(kk):
-        v = x[r, kk] * const(QMAX) / a  # numpy's order: the product, then a true division
+        v = loaded(x, [r, kk]) * const(QMAX) / a  # numpy's order: the product, then a division
         q = tirx.min(tirx.max(round_half_even(v), const(-QMAX)), const(QMAX))
         value = tirx.Cast(I32, tirx.Select(good, q, const(0))) + isa.offset
         T.buffer_store(u, tirx.Cast(isa.a_dtype, value), [r, kk])
