@@ -58,7 +58,7 @@ from .adjoint import (
 from .backward_proof import prove
 from .backward_selections import Selection, contracted_selections, rewritten, selection
 from .backward_text import spelling, written
-from .backward_vectors import ROLES, column_text, contracted, solved_hidden, tidied
+from .backward_vectors import ROLES, column_text, contracted, simplified, solved_hidden, tidied
 from .cascade import POSITION, Cascade, N
 from .errors import NoBackward
 from .functions import Where
@@ -75,6 +75,9 @@ REFUSALS = {
     "index": "{name} is an index: integer outputs have no gradient",
     "op": "{name} = {op}(...): only sum reductions and selections (max, min, top-k) are "
           "differentiated",
+    "staged": "{name} is a staged cascade ({passes} passes: a later one reads an earlier "
+              "one's final over the row); its backward would chain the stages' backwards "
+              "through those finals, which the engine does not derive yet",
 }
 
 
@@ -179,9 +182,9 @@ class _Sweep:
         else a line ``g_<result> = row + sum(body)`` of the backward spec, read by name."""
         if result not in self.held:
             a = self.adjoint[result]
-            body = sp.simplify(a.body)
+            body = simplified(a.body)
             if not body.free_symbols & self.per_element:  # sum(c) = N * c: no sum to run
-                self.held[result] = sp.simplify(a.row + N * body)
+                self.held[result] = simplified(a.row + N * body)
             else:
                 g = sp.Symbol(self.name(f"g_{result}"), real=True)
                 self.lines.append((g.name, a.row + RowSum(body)))
@@ -389,17 +392,17 @@ def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
         expr += sum((sw.value_of(r.name) * diff(r.body, s) for r in sums
                      if s in r.body.free_symbols), sp.S.Zero)
         if s.name in c.vector_inputs:
-            columns.append((s, sw.name(f"d{s.name}"), sp.simplify(expr)))
+            columns.append((s, sw.name(f"d{s.name}"), simplified(expr)))
         else:
-            streams.append((s, sw.name(f"d{s.name}"), sp.simplify(expr)))
+            streams.append((s, sw.name(f"d{s.name}"), simplified(expr)))
     for p in c.params:
         a = sw.adjoint[p.name]
         if a.vanishes():
             refused[p.name] = "the outputs do not depend on it (or only through a condition)"
         else:
             g = sw.name(f"d{p.name}")
-            body = sp.simplify(a.body)
-            sw.lines.append((g, sp.simplify(a.row) + (RowSum(body) if body != 0 else 0)))
+            body = simplified(a.body)
+            sw.lines.append((g, simplified(a.row) + (RowSum(body) if body != 0 else 0)))
             params[p.name] = g
     return streams, params, columns, refused
 

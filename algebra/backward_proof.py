@@ -34,15 +34,16 @@ def is_zero(e: sp.Expr, domain: sp.Expr = sp.S.Zero) -> bool:
     conditions = sorted({w.args[0] for w in (e + domain).atoms(Where)},
                         key=sp.default_sort_key)
     if conditions:  # a select is its branch wherever its condition is fixed
-        return all(_zero_in_case(e, domain, conditions[0], holds) for holds in (True, False))
+        return all(_zero_in_case(e, domain, _fixed(conditions, holds))
+                   for holds in (True, False))
     return _cancels(e) or (e.has(*HYPERBOLIC) and _cancels(e.rewrite(sp.exp))) or \
         sp.simplify(e) == 0 or sp.simplify(
         e.replace(sp.sign, lambda u: u / sp.Abs(u))) == 0
 
 
-def _zero_in_case(e: sp.Expr, domain: sp.Expr, condition, holds: bool) -> bool:
-    domain = _case(domain, condition, holds)
-    return domain.has(sp.nan, sp.zoo) or is_zero(_case(e, condition, holds), domain)
+def _zero_in_case(e: sp.Expr, domain: sp.Expr, fixed: dict) -> bool:
+    domain = _case(domain, fixed)
+    return domain.has(sp.nan, sp.zoo) or is_zero(_case(e, fixed), domain)
 
 
 HYPERBOLIC = (sp.tanh, sp.cosh, sp.sinh)  # 1 - tanh(u)**2 and cosh(u)**-2 meet in exp form
@@ -52,9 +53,23 @@ def _cancels(e: sp.Expr) -> bool:
     return sp.expand(sp.numer(sp.together(e))) == 0
 
 
-def _case(e: sp.Expr, condition, holds: bool) -> sp.Expr:
-    return e.replace(lambda w: isinstance(w, Where) and w.args[0] == condition,
-                     lambda w: w.args[1] if holds else w.args[2])
+def _fixed(conditions: list, holds: bool) -> dict:
+    """The first condition taken as ``holds``, and every other one that this decides: an
+    unrolled causal mask's ``j <= pos`` for j = 0, 1, 2 are not independent (0 <= pos false
+    makes 1 <= pos false), and a case no input reaches proves nothing."""
+    first, fixed = conditions[0], {conditions[0]: holds}
+    for c in conditions[1:]:
+        if type(c) is type(first) and isinstance(c, (sp.Le, sp.Lt)):
+            shift = (c.lhs - c.rhs) - (first.lhs - first.rhs)  # c is first's u + shift vs 0
+            if shift.is_number and (shift <= 0 if holds else shift >= 0):
+                fixed[c] = holds
+    return fixed
+
+
+def _case(e: sp.Expr, fixed: dict) -> sp.Expr:
+    """``e`` with each select whose condition ``fixed`` decides replaced by that branch."""
+    return e.replace(lambda w: isinstance(w, Where) and w.args[0] in fixed,
+                     lambda w: w.args[1] if fixed[w.args[0]] else w.args[2])
 
 
 def all_zero(values, domain: sp.Expr) -> bool:

@@ -22,10 +22,11 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .backward import refusal
 from .cascade import Cascade, Reduction, carries_feature_axis
 from .components import LinearComponent
 from .derive import running_values
-from .errors import NotFusable
+from .errors import NoBackward, NotFusable
 from .interpret import run_staged
 from .prove import Obligation
 from .rule import FusionRule
@@ -97,6 +98,12 @@ class StagedRule:
     @property
     def status(self) -> tuple[bool, ...]:
         return tuple(ok for s in self.stages for ok in s.rule.status)
+
+    def backward(self, outputs=None):
+        """Refused by name (``NoBackward``, ``algebra.backward.REFUSALS["staged"]``): only
+        one-pass rules have a derived backward."""
+        raise NoBackward(refusal("staged", name=self.name or "this cascade",
+                                 passes=self.passes))
 
     def verify(self) -> bool:
         """Re-check every stage's and every row stash's proof obligations with sympy; True

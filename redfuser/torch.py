@@ -44,6 +44,7 @@ import torch
 
 from algebra import FusionRule, NoBackward, derive, reference
 from algebra.backward_shared import scalar_gradients, shared_sums, without
+from algebra.stages import StagedRule
 
 from .kernel import Kernel
 from .torch_gradient import Gradient, Shared
@@ -106,7 +107,7 @@ def op(spec_or_rule: FusionRule | str, name: str | None = None,
     grad = _backward_of(rule, name, scalars, options) if differentiable else None
     hidden = isinstance(grad, Gradient) and grad.derived.forward_spec != rule.cascade.text
     run = derive(grad.derived.forward_spec) if hidden else rule
-    kernel = Kernel(run, **options)
+    kernel = Kernel(run.lowered() if isinstance(run, StagedRule) else run, **options)
     outputs = tuple(rule.outputs)
     returned = outputs + tuple(o for o in run.outputs if o not in outputs)
     schema = _schema(inputs, returned, set(scalars))

@@ -36,6 +36,9 @@ PROVEN = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "layernorm", "
 # library cascade -> the start of the reason its backward is refused
 REFUSED = {
     "geometric_mean": "g_prod = prod(...): only sum reductions",
+    "relu_sum": "relu_sum is a staged cascade (2 passes: ",
+    "mad": "mad is a staged cascade (2 passes: ",
+    "threshold_mass": "threshold_mass is a staged cascade (2 passes: ",
 }
 STEP = 1e-5
 TOL = 2e-3

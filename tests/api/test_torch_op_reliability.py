@@ -114,6 +114,21 @@ def test_requires_grad_computes_and_a_refused_backward_names_the_op_and_why():
     assert x.grad is None
 
 
+def test_a_staged_rule_is_an_op_whose_backward_is_refused_by_name():
+    """A staged library rule (two passes) made an op: its forward is the oracle's (it used to
+    fail with AttributeError: the op built its kernel from the StagedRule itself), and its
+    backward raises with the reason (``REFUSALS["staged"]``)."""
+    rt.op("relu_sum", tune=False)
+    x = torch.randn(3, 50, requires_grad=True)
+    t = torch.full((3,), 1.0)
+    _, s = torch.ops.redfuser.relu_sum(x, t)
+    want = redfuser.reference("relu_sum", {"x": x.detach().double().numpy(), "t": t.numpy()})
+    torch.testing.assert_close(s.double(), torch.from_numpy(want["s"]), rtol=TOL, atol=TOL)
+    with pytest.raises(NotImplementedError, match=r"redfuser\.relu_sum: relu_sum is a staged "
+                                                  r"cascade \(2 passes"):
+        s.sum().backward()
+
+
 def test_requires_grad_under_torch_compile():
     rt.op("geometric_mean", tune=False)
     lin = torch.nn.Linear(16, 16)  # parameters: every forward builds a graph
