@@ -19,6 +19,7 @@ from functools import partial
 
 from ..tvm.target import cpu_target, cuda_target
 from .cpu import plan as cpu_plan
+from .cpu import resident as cpu_resident
 from .cpu import space as cpu_space
 from .cpu import variants as cpu_variants
 from .cuda import plan as cuda_plan
@@ -57,7 +58,7 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "cpu": Backend("cpu", "llvm", cpu_target, cpu_plan.choose, cpu_plan.CpuPlan,
-                   cpu_variants.VARIANTS, True, cpu_plan.resident_fit, cpu_plan.dynamic_plan,
+                   cpu_variants.VARIANTS, True, cpu_resident.resident_fit, cpu_plan.dynamic_plan,
                    cpu_space.params, cpu_space.plan_fits, cpu_space.machine_id,
                    also_kinds=("c",)),
     "cuda": Backend("cuda", "cuda", partial(cuda_target, cuda_plan.GPU.arch), cuda_plan.choose,

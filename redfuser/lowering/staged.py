@@ -4,7 +4,7 @@ cache by the later passes, as long as it fits there.
 
 The plan starts from the target's own (lanes and tiles on a CPU, threads per block on
 CUDA) and says where the row stays between the passes and whether it fits
-(``kernel.plan``), from the target's ``resident_fit``: a CPU core's L2 (``cpu/plan.py``), a
+(``kernel.plan``), from the target's ``resident_fit``: a CPU core's L2 (``cpu/resident.py``), a
 CUDA block's shared memory (``cuda/plan.py``).  A row that does not fit still runs
 row-resident (one launch, per-row results never leave the core or block), but its later
 passes read it again from further out.

@@ -223,7 +223,8 @@ def test_resident_kernel_is_one_pass_over_rows_with_every_stage_inside():
 
 def test_plan_says_whether_a_row_fits_the_cache():
     from redfuser.lowering import choose, shape_geometry
-    from redfuser.lowering.cpu.plan import RESIDENT_CACHE_BYTES, _size
+    from redfuser.lowering.cpu.plan import RESIDENT_CACHE_BYTES
+    from redfuser.lowering.cpu.resident import _size
 
     rule = redfuser.derive("mad").lowered()
     small = choose(rule, shape_geometry(rule, {"x": (8, 4096)}))

@@ -113,13 +113,13 @@ def rolling(rule: FusionRule, geo: Geometry, plan: CpuPlan, bufs: dict, results:
                                 (row0 + j) * pieces + piece)
             with T.serial(0, rows) as j:
                 for p, a in zip(found, packed_a, strict=True):
-                    _pack_a(em, p, a, j, row0 + j, k0, length)
+                    pack_a(em, p, a, j, row0 + j, k0, length)
             for p, a in zip(found, packed_a, strict=True):
-                blocks = _Blocks(plan, geo, row0, rows, k0, length, piece == 0)
+                blocks = Blocks(plan, geo, row0, rows, k0, length, piece == 0)
                 blocks.product(bufs[p.weight], a, packed_b, sums[p.state], task)
     with rows_loop(geo)(0, geo.r) as r:
         st = _merged(em_rest, work, r, pieces)
-        _results(em, geo, found, sums, st, r, results)
+        row_results(em, geo, found, sums, st, r, results)
         em.elementwise(r, elementwise)
 
 
@@ -133,9 +133,10 @@ def _statistics(em: Emitter, plan: CpuPlan, fold: Callable, work: dict, r, k0, l
     copy_state(st, work, 0, slot, to_work=True)
 
 
-def _pack_a(em: Emitter, p: Product, a, j, r, k0, length):
+def pack_a(em: Emitter, p: Product, a, j, r, k0, length) -> None:
     """a[j, k] = a(row r, element k0 + k) for the piece; the parts of it that are the same
-    for every element (``1 / r`` of the unfused baseline) are computed once."""
+    for every element (``1 / r`` of the unfused baseline) are computed once.  A score
+    product (``score_products``) packs its factor of S here, the dot read from its tile."""
     per_element = {INDEX} | set(em.geo.vec) | {
         k for k, g in em.geo.inputs.items() if g.length > 1}
     (factor,), parts = split_invariant([p.row_factor], per_element, per_slot=False)
@@ -151,7 +152,7 @@ def _pack_a(em: Emitter, p: Product, a, j, r, k0, length):
         store(k)
 
 
-class _Blocks:
+class Blocks:
     """The column blocks, panels and micro-kernels of one row block and one K piece."""
 
     def __init__(self, plan: CpuPlan, geo: Geometry, row0, rows, k0, length, first):
@@ -172,7 +173,7 @@ class _Blocks:
             self._pack_b(w, packed_b, c0, panels)
             with T.serial(0, panels) as p:
                 with T.serial(0, tirx.floordiv(self.rows + plan.mr - 1, plan.mr)) as mb:
-                    self._micro(a, packed_b, sums, p, c0 + p * plan.nr, mb)
+                    self.micro(a, packed_b, sums, p, c0 + p * plan.nr, mb)
 
     def _pack_b(self, w, packed, c0, panels):
         """packed[p, k, :] = W[k0 + k, c0 + p * nr : ... + nr]; the panel that crosses D (the
@@ -191,9 +192,10 @@ class _Blocks:
                     inside = loaded(w, [0, self.k0 + k, tirx.min(col, d - 1)])
                     T.buffer_store(packed, tirx.Select(col < d, inside, const(0)), [p, k, lane])
 
-    def _micro(self, a, packed, sums, p, col0, mb):
+    def micro(self, a, packed, sums, p, col0, mb):
         """mr x nr sums in registers over the piece's k: per k, nr / LANES panel vectors loaded
-        and one broadcast A value per row.  Rows past the block's end repeat its last row."""
+        and one broadcast A value per row.  Rows past the block's end repeat its last row.
+        ``a`` is anything indexed ``[row, k]``: a score tile reads W in place (``score_tiles``)."""
         mr, nr = self.plan.mr, self.plan.nr
         acc = T.alloc_buffer((mr, nr), F32, scope="local")
 
@@ -227,8 +229,9 @@ def _merged(em: Emitter, work, r, pieces: int):
     return st
 
 
-def _results(em: Emitter, geo: Geometry, found, sums, st, r, results: dict):
-    """Each result of row r from the product sums and the statistics; the parts that do not
+def row_results(em: Emitter, geo: Geometry, found, sums, st, r, results: dict) -> None:
+    """Each result of row r from the product sums (state name -> anything indexed
+    ``[row, column]``) and the statistics (None: only products); the parts that do not
     depend on the column (``1 / r``) are computed once, the columns in vector chunks."""
     names = {p.state for p in found}
     scalars = {em.rule.count.name: const(geo.n)}  # every element is folded at finalize: n = N

@@ -28,6 +28,7 @@ from ..geometry import Geometry
 from ..plan import Plan, check_variant
 from ..products import products, without
 from ..signature import F32
+from .scores import product_reason, score_blocks, score_dot, score_product, score_reason
 from .vector import host_caches, host_isa
 
 ISA, CACHES = host_isa(), host_caches()  # the host's vector unit and caches (vector.py)
@@ -201,50 +202,6 @@ def stage_plan(stage: FusionRule, geo: Geometry, plan: CpuPlan) -> CpuPlan:
     return dataclasses.replace(plan, lanes=lanes, tile=tile_for(stage, lanes, geo.n))
 
 
-def row_stashes(rule, geo: Geometry) -> tuple:
-    """The row stashes (``algebra.stages.RowStash``) a row-resident kernel of ``rule`` uses at
-    ``geo``: those whose writer folds each row as one tile (``single_tile``: the values it
-    writes share one set of anchors) and whose rewritten reader keeps the reader's state."""
-    stages, out = rule.staged.stages, []
-    if not geo.static:  # a tile fitted to the row needs its length
-        return ()
-    for s in rule.staged.stashes:
-        writer = stages[s.writer].rule
-        lanes = vector_lanes(writer, geo)
-        same_state = [v.symbol.name for v in s.rule.state] == \
-            [v.symbol.name for v in stages[s.reader].rule.state]
-        if same_state and single_tile(writer, geo, lanes, tile_for(writer, lanes, geo.n)):
-            out.append(s)
-    return tuple(out)
-
-
-def resident_fit(rule, geo: Geometry, dynamic: bool = False) -> str:
-    """Whether a staged rule's row stays in the L2 (``RESIDENT_CACHE_BYTES``) between its
-    passes, in words: a thread folds one row at a time, and what the passes after the first
-    re-read is that row's share of their streams (``dynamic``: for rows of any length)."""
-    later = {s.name for st in rule.staged.stages[1:] for s in st.rule.cascade.streams}
-    cache = _size(RESIDENT_CACHE_BYTES)
-    if dynamic:
-        width = sum(geo.inputs[k].width * F32_BYTES for k in sorted(later))
-        return (f"rows of any length: a row stays in the {cache} L2 between the passes while "
-                f"its {width} bytes an element fit ({RESIDENT_CACHE_BYTES // max(width, 1)} "
-                "elements)")
-    size = sum(geo.n * geo.inputs[k].width * F32_BYTES for k in sorted(later))
-    stashed = "".join(f"; stage {s.reader + 1} reads {rule.staged.stashed_value(s)} back "
-                      f"from a row stage {s.writer + 1} wrote"
-                      for s in row_stashes(rule, geo))
-    if size <= RESIDENT_CACHE_BYTES:
-        return (f"a row's {_size(size)} stay in the {cache} L2 between the passes: DRAM sees "
-                f"each row once{stashed}")
-    return (f"a row's {_size(size)} do not fit the {cache} L2: the later passes re-read it "
-            f"from L3 or DRAM (one launch, per-row results stay in the core){stashed}")
-
-
-def _size(nbytes: int) -> str:
-    """Bytes in words: '16.0 KB', '2.0 MB'."""
-    return f"{nbytes / 2**20:.1f} MB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KB"
-
-
 def one_thread(geo: Geometry) -> bool:
     """Is the work too small to share between threads (``PARALLEL_MIN_WORK``)?  Never
     known for symbolic shapes: their rows run in parallel."""
@@ -267,6 +224,10 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     if blocks is not None and not (variant is None and geo.r < threads and
                                    geo.n >= 2 * MIN_SPLIT_ELEMENTS):
         return gemm_plan(rule, geo, variant, fast_math, blocks)
+    scored = score_plan(rule, geo, threads, fast_math) if variant in (None, "rolling") \
+        else None
+    if scored is not None:
+        return scored
     if variant == "unfused":
         block = row_block_for(geo, lanes, threads)  # the same scheduling quality per pass
         tile = BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n) if lanes > 1 else 1
@@ -292,6 +253,26 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
         plan = dataclasses.replace(plan, reason=plan.reason + "; per-element outputs stashed "
                                    "by the statistics pass (one multiply to finish)")
     return plan
+
+
+def score_plan(rule: FusionRule, geo: Geometry, threads: int, fast_math: bool) -> CpuPlan | None:
+    """The plan of a rule whose element holds a dot against a shared stream matrix, as
+    score tiles (``scores.py``): two GEMMs a tile where the sum is a factor of the dot times
+    that matrix, else S a tile at a time folded row by row where the fold takes more than
+    one lane (a one-lane fold, attention's D-vector sum, keeps its row blocks); None
+    elsewhere."""
+    scored = score_blocks(rule, geo, threads)
+    if scored is None:
+        return None
+    found, product = score_dot(rule, geo), score_product(rule, geo)
+    if product is not None:
+        return CpuPlan("rolling", 1, 1, fast_math, product_reason(product, found, scored),
+                       **scored)
+    lanes = vector_lanes(found.folded, dataclasses.replace(geo, n=scored["nc"]))
+    if lanes == 1:
+        return None
+    return CpuPlan("rolling", lanes, 1, fast_math, score_reason(found, geo, scored, lanes),
+                   tile=tile_for(found.folded, lanes, scored["nc"]), **scored)
 
 
 def dynamic_plan(rule: FusionRule, geo: Geometry, variant: str | None = None,

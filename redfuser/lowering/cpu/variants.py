@@ -30,20 +30,21 @@ from ..products import products
 from ..registers import Const0, States
 from ..signature import F32, I64, result_dtype, result_width
 from ..steps import all_of
-from . import gemm, tiles
+from . import gemm, score_products, score_tiles, tiles
 from .plan import (
     LANES,
     REGISTER_SCOPE,
     CpuPlan,
     lane_aligned,
     one_thread,
-    row_stashes,
     rows_loop,
     stage_plan,
     stash_applies,
     stash_rows,
     vector_lanes,
 )
+from .resident import row_stashes
+from .scores import score_dot, score_product
 from .vector import host_narrowing
 
 
@@ -110,6 +111,12 @@ def _lane_chunks(em: Emitter, st: States, r, start, chunks, lanes: int):
 def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=None):
     if plan.mr and products(rule, geo):
         return gemm.rolling(rule, geo, plan, bufs, results, elementwise, rowvals or {}, _fold)
+    if plan.mr and score_product(rule, geo):  # f(dot) times its stream matrix: two GEMMs
+        return score_products.rolling(rule, geo, plan, bufs, results, elementwise,
+                                      rowvals or {}, scores)
+    if plan.mr and score_dot(rule, geo):  # a dot against a shared stream matrix: S tiles
+        return score_tiles.rolling(rule, geo, plan, bufs, results, elementwise, rowvals or {},
+                                   _fold, scores)
     em = _emitter(rule, geo, plan, bufs, {**(rowvals or {}), **results}, scores)
     if plan.row_block > 1:
         return _rolling_blocks(em, geo, plan, results, elementwise)
