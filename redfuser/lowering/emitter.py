@@ -67,13 +67,14 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
 
     def __init__(self, rule: FusionRule, geo: Geometry, plan: Plan, bufs: dict, rowvals: dict,
                  simd: int = 1, scratch: str = "local", rounded=None, scores=None,
-                 backend: str | None = None, narrowing=None):
+                 backend: str | None = None, narrowing=None, exp=None):
         self.dot_list = rule_dots(rule)
         rule, self.scores = with_scores(rule, rule_scores(rule) if scores is None else scores)
         self.rule, self.geo, self.plan, self.bufs = rule, geo, plan, bufs
         self.rounded = rounded or (lambda v: v)
         # (storage dtype, lanes) -> the intrinsic that rounds a vector to it, or None
         self.narrowing = narrowing or (lambda dtype, lanes: None)
+        self.exp = exp  # the fast exp's builder (None: ``fastmath.fast_exp``)
         # what varies over the feature axis: those values, and the scores that read them
         self.vec = frozenset(geo.vec) | {k for k, e in self.scores.items()
                                          if carries_feature_axis(e, set(geo.vec))}
@@ -156,7 +157,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         if self.assumed:  # conditions known to hold on the block being emitted
             e = e.xreplace(self.assumed)
         with statement_lets(T.bind):
-            return to_tir(e, look, F32, self.plan.fast_math, self.per_row)
+            return to_tir(e, look, F32, self.plan.fast_math, self.per_row, self.exp)
 
     def states(self, lanes: int) -> States:
         """Registers for ``lanes`` lanes, in this target's scratch scope."""

@@ -128,7 +128,7 @@ def _pow2(n):
     return tirx.reinterpret(F32, tirx.shift_left(n + _i(127), _i(23)))
 
 
-def _exp_body(x):
+def _exp_body(x, ldexp: bool = False):
     # Clamp with two flat Selects written so that a NaN passes through (``lo if x < lo else
     # x``: x86 max/min return their second operand on NaN, so LLVM emits one vmaxps/vminps
     # each): the NaN then flows through the polynomial to the result with no test of its
@@ -137,6 +137,8 @@ def _exp_body(x):
         def poly(r):
             p = _horner(r, _EXP_P) * (r * r) + r + _f(1.0)
             ni = tirx.Cast("int32", n)
+            if ldexp:  # one instruction where the CPU has one (AVX-512's vscalefps)
+                return tirx.call_llvm_pure_intrin(F32, "llvm.ldexp", p, ni)
             half = tirx.shift_right(ni, _i(1))  # 2**n = 2**half * 2**(n - half)
             return p * _pow2(half) * _pow2(ni - half)
 
@@ -151,17 +153,21 @@ def _exp_body(x):
                                    "exp_c"), "exp_l")
 
 
-def fast_exp(x):
+def fast_exp(x, ldexp: bool = False):
     """Vectorizable float32 ``exp(x)``.
 
     Cody-Waite reduction ``x = n*ln2 + r`` (``|r| <= ln2/2``), a degree-7 polynomial for
     ``exp(r)`` in Horner form, and ``2**n`` from exponent bits (two factors, so ``n = 128``
-    does not overflow).
+    does not overflow), or with ``ldexp`` by LLVM's ``ldexp`` (exact for every n; only where
+    the target lowers a vector of it to an instruction, ``cpu.vector.VectorIsa.ldexp``:
+    elsewhere it is a libm call per lane).
 
     Parameters
     ----------
     x : PrimExpr
         float32 expression (or a Python number).
+    ldexp : bool
+        scale by ``llvm.ldexp`` instead of the exponent bits.
 
     Returns
     -------
@@ -179,7 +185,7 @@ def fast_exp(x):
     >>> str(fast_exp(tirx.Var("x", "float32")).ty.dtype)
     'float32'
     """
-    return let(_as_f32(x), _exp_body, "exp_x")
+    return let(_as_f32(x), lambda v: _exp_body(v, ldexp), "exp_x")
 
 
 def _log_body(x):

@@ -232,11 +232,12 @@ def _may_be_nan(e) -> bool:
 
 
 def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: bool = True,
-           invariant: frozenset[str] = frozenset()):
+           invariant: frozenset[str] = frozenset(), exp: Callable | None = None):
     """Translate ``expr``; symbols and dot products come from ``lookup``.  ``invariant``:
     names that hold one value for the whole kernel row (parameters, N); a division by an
     expression of them only is a multiplication by its reciprocal, which LLVM hoists out of
-    the element loop (a division by anything else is a division: ``_mul``).
+    the element loop (a division by anything else is a division: ``_mul``).  ``exp``: the
+    fast exp's builder (default ``fastmath.fast_exp``; a CPU's own, ``cpu.vector``).
 
     Examples
     --------
@@ -245,7 +246,7 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
     >>> to_tir(2 * x + 1, lambda s: v, fast_math=False)
     T.float32(2.0) * v + T.float32(1.0)
     """
-    exp = fastmath.fast_exp if fast_math else tirx.exp
+    exp = (exp or fastmath.fast_exp) if fast_math else tirx.exp
 
     def go(e: sp.Expr):
         if e.is_Symbol or isinstance(e, Dot):

@@ -15,7 +15,9 @@ import re
 import numpy as np
 import pytest
 
+import redfuser
 from redfuser.lowering import fastmath
+from redfuser.lowering.cpu.vector import host_isa
 from redfuser.lowering.fastmath import elementwise_kernel, fast_exp, fast_log, fast_tanh
 from redfuser.runtime import evaluate_elementwise as evaluate
 from redfuser.tvm.ir import tirx
@@ -26,9 +28,15 @@ CHUNK = 1 << 20
 RNG = np.random.default_rng(20261101)
 
 
+# fast_exp scaled by LLVM's ldexp, as on a CPU that has an instruction for it
+# (``cpu.vector.VectorIsa.ldexp``): exact on every CPU, a libm call per lane elsewhere
+BUILDERS = {"fast_exp_ldexp": functools.partial(fast_exp, ldexp=True)}
+EXPS = ("fast_exp", "fast_exp_ldexp")
+
+
 @functools.cache
 def _kernel(name: str):
-    func = elementwise_kernel(getattr(fastmath, name), CHUNK)
+    func = elementwise_kernel(BUILDERS.get(name) or getattr(fastmath, name), CHUNK)
     return build(func, cpu_target())["fastmath_kernel"]
 
 
@@ -66,16 +74,18 @@ def sigmoid64(x):
 
 # -- accuracy -------------------------------------------------------------------------------
 
-def test_exp_relative_error():
-    _, rel = errors("fast_exp", grid(-87.0, 88.0), np.exp)
+@pytest.mark.parametrize("exp", EXPS)
+def test_exp_relative_error(exp):
+    _, rel = errors(exp, grid(-87.0, 88.0), np.exp)
     assert rel <= 1e-6  # the project's documented target
     assert rel <= 2e-7  # measured 8.5e-8
 
 
-def test_exp_near_zero_and_range_ends():
+@pytest.mark.parametrize("exp", EXPS)
+def test_exp_near_zero_and_range_ends(exp):
     xs = np.concatenate([grid(-1.0, 1.0, 1 << 19), grid(-87.336, -86.0, 1 << 18),
                          grid(87.0, 88.7228, 1 << 18)])
-    _, rel = errors("fast_exp", xs, np.exp)
+    _, rel = errors(exp, xs, np.exp)
     assert rel <= 2e-7
 
 
@@ -116,8 +126,8 @@ def test_sigmoid_error():
 
 INF, NAN = np.inf, np.nan
 SPECIAL = {
-    "fast_exp": [(-INF, 0.0), (INF, INF), (NAN, NAN), (-100.0, 0.0), (100.0, INF), (0.0, 1.0),
-                 (-0.0, 1.0), (-87.3366, 0.0), (89.0, INF)],
+    **dict.fromkeys(EXPS, [(-INF, 0.0), (INF, INF), (NAN, NAN), (-100.0, 0.0), (100.0, INF),
+                           (0.0, 1.0), (-0.0, 1.0), (-87.3366, 0.0), (89.0, INF)]),
     "fast_log": [(0.0, -INF), (-0.0, -INF), (-1.0, NAN), (-INF, NAN), (INF, INF), (NAN, NAN),
                  (1.0, 0.0)],
     "fast_tanh": [(INF, 1.0), (-INF, -1.0), (NAN, NAN), (0.0, 0.0), (30.0, 1.0),
@@ -133,13 +143,14 @@ def test_special_values(name):
     np.testing.assert_array_equal(apply(name, xs), want)
 
 
-def test_signed_zero_and_no_denormal_results():
+@pytest.mark.parametrize("exp", EXPS)
+def test_signed_zero_and_no_denormal_results(exp):
     assert np.signbit(apply("fast_tanh", np.array([-0.0], np.float32)))[0]
     lo = np.float32(fastmath._EXP_LO)
-    ys = apply("fast_exp", np.array([lo, np.nextafter(lo, np.float32(-INF))], np.float32))
+    ys = apply(exp, np.array([lo, np.nextafter(lo, np.float32(-INF))], np.float32))
     assert ys[0] >= np.finfo(np.float32).tiny and ys[1] == 0.0  # normal, then flushed to 0
     hi = np.float32(fastmath._EXP_HI)
-    ys = apply("fast_exp", np.array([hi, np.nextafter(hi, np.float32(INF))], np.float32))
+    ys = apply(exp, np.array([hi, np.nextafter(hi, np.float32(INF))], np.float32))
     assert np.isfinite(ys[0]) and ys[1] == INF
     assert abs(float(ys[0]) / np.exp(float(hi)) - 1) <= 2e-7
     with np.errstate(over="ignore"):  # and a correctly rounded exp overflows there too
@@ -181,3 +192,13 @@ def test_libm_call_check_detects_tirx_exp():
     mod = build(elementwise_kernel(tirx.exp, 1024), cpu_target()).mod
     calls = _calls(mod.inspect_source("ll"), mod.inspect_source("asm"))
     assert {"llvm.exp.v16f32", "expf"} <= calls
+
+
+def test_kernels_scale_their_exp_with_one_instruction_where_the_cpu_has_one():
+    """A CPU kernel's exp uses the host's own scaling (``cpu.vector.host_exp``): AVX-512's
+    vscalefps where the vector unit has it, never a libm call per lane."""
+    kernel = redfuser.compile("softmax", tune=False)
+    kernel(x=np.zeros((4, 4096), np.float32))
+    asm = kernel.assembly()
+    assert ("vscalefps" in asm) == host_isa().ldexp
+    assert "ldexpf" not in asm

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from algebra.cascade import INDEX
 from algebra.rule import FusionRule
 
-from ...tvm.ir import T, llvm_rounded, tirx
+from ...tvm.ir import T, tirx
 from ..emitter import Emitter
 from ..geometry import Geometry
 from ..invariants import rule_scores, split_invariant
@@ -41,7 +41,7 @@ from ..nests import copy_state, workspace
 from ..products import Product, products, without
 from ..signature import F32, I64
 from ..texpr import const, loaded
-from .plan import LANES, REGISTER_SCOPE, CpuPlan, rows_loop
+from .plan import EMITTER_OPTIONS, LANES, CpuPlan, rows_loop
 
 
 def _round_up(value: int, step: int) -> int:
@@ -90,8 +90,7 @@ def rolling(rule: FusionRule, geo: Geometry, plan: CpuPlan, bufs: dict, results:
     rest = without(rule, found)
     values = {**rowvals, **results}
     scores = rule_scores(rule)  # both emitters compute each score the same way
-    em, em_rest = (Emitter(r, geo, plan, bufs, values, simd=LANES, scratch=REGISTER_SCOPE,
-                           rounded=llvm_rounded, scores=scores, backend="cpu")
+    em, em_rest = (Emitter(r, geo, plan, bufs, values, scores=scores, **EMITTER_OPTIONS)
                    for r in (rule, rest))
     sums = {p.state: T.alloc_buffer((geo.r, _round_up(geo.d, plan.nr)), F32) for p in found}
     pieces = -(-geo.n // plan.kc)

@@ -22,14 +22,14 @@ from algebra.families import Family, element_exprs
 from algebra.functions import Dot
 from algebra.rule import FusionRule
 
-from ...tvm.ir import T
+from ...tvm.ir import T, llvm_rounded
 from ...tvm.target import default_threads
 from ..geometry import Geometry
 from ..plan import Plan, check_variant
 from ..products import products, without
 from ..signature import F32
 from .scores import product_reason, score_blocks, score_dot, score_product, score_reason
-from .vector import host_caches, host_isa
+from .vector import host_caches, host_exp, host_isa, host_narrowing
 
 ISA, CACHES = host_isa(), host_caches()  # the host's vector unit and caches (vector.py)
 LANES = ISA.lanes  # float32 lanes of a vector register: one element per lane per step
@@ -48,6 +48,10 @@ TILE_ELEMENTS = 8192
 # per element); "global" ones under 1 KB become allocas that LLVM promotes to registers
 # (logsumexp 64 x 2048, one thread: 0.101 -> 0.086 ms).
 REGISTER_SCOPE = "global"
+# Every CPU emitter's options: the vector width, the registers' scope, LLVM's rounding of a
+# score, and the host's own conversions and exp (``vector.py``)
+EMITTER_OPTIONS = {"simd": LANES, "scratch": REGISTER_SCOPE, "rounded": llvm_rounded,
+                   "backend": "cpu", "narrowing": host_narrowing, "exp": host_exp}
 KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. attention's keys
 # Rows sharing each load of a broadcast stream, and the tile they fold together.  Measured
 # on attention 512 queries x 1024 keys x D 64, one thread: (4, 16) 5.4 ms, (8, 32) 3.7 ms,

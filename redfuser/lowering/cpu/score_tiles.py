@@ -24,16 +24,15 @@ from contextlib import contextmanager
 
 from algebra.rule import FusionRule
 
-from ...tvm.ir import T, llvm_rounded, tirx
+from ...tvm.ir import T, tirx
 from ..emitter import Emitter
 from ..geometry import Geometry
 from ..nests import copy_state, workspace
 from ..signature import F32, I64
 from ..texpr import loaded
 from .gemm import Blocks
-from .plan import LANES, REGISTER_SCOPE, CpuPlan, rows_loop, tile_for, vector_lanes
+from .plan import EMITTER_OPTIONS, LANES, CpuPlan, rows_loop, tile_for, vector_lanes
 from .scores import ScoreDot, score_dot
-from .vector import host_narrowing
 
 
 class _Rows:
@@ -110,9 +109,7 @@ def tile_emitter(rule: FusionRule, geo: Geometry, plan: CpuPlan, bufs: dict, row
     """The emitter of a score-tile nest, with the CPU variants' options, for a plan whose
     blocking the micro-kernel takes (``check_tiles``)."""
     check_tiles(plan)
-    return TileEmitter(rule, geo, plan, bufs, rowvals, simd=LANES, scratch=REGISTER_SCOPE,
-                       rounded=llvm_rounded, scores=scores, backend="cpu",
-                       narrowing=host_narrowing)
+    return TileEmitter(rule, geo, plan, bufs, rowvals, scores=scores, **EMITTER_OPTIONS)
 
 
 @contextmanager

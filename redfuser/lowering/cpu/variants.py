@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from algebra.stash import tile_anchor
 
-from ...tvm.ir import T, llvm_rounded, tirx
+from ...tvm.ir import T, tirx
 from ...tvm.target import default_threads
 from ..emitter import Emitter
 from ..geometry import Geometry, InputGeom
@@ -32,7 +32,7 @@ from ..signature import F32, I64, result_dtype, result_width
 from ..steps import all_of
 from . import gemm, score_products, score_tiles, tiles
 from .plan import (
-    LANES,
+    EMITTER_OPTIONS,
     REGISTER_SCOPE,
     CpuPlan,
     lane_aligned,
@@ -45,12 +45,10 @@ from .plan import (
 )
 from .resident import row_stashes
 from .scores import score_dot, score_product
-from .vector import host_narrowing
 
 
 def _emitter(rule, geo, plan, bufs, rowvals, scores=None) -> Emitter:
-    return Emitter(rule, geo, plan, bufs, rowvals, simd=LANES, scratch=REGISTER_SCOPE,
-                   rounded=llvm_rounded, scores=scores, backend="cpu", narrowing=host_narrowing)
+    return Emitter(rule, geo, plan, bufs, rowvals, scores=scores, **EMITTER_OPTIONS)
 
 
 def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):

@@ -20,6 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ...tvm.target import cpu_has, cpu_target
+from ..fastmath import fast_exp
 from .int8_isa import AMX_INT8, AVX2_BYTES, AVX2_INT16, AVX512_VNNI, QMAX, DotIsa
 
 FMA_IN_FLIGHT = 8  # multiply-adds in flight per core: 2 pipes x 4 cycles of latency
@@ -37,6 +38,9 @@ class VectorIsa:
     gemm_vectors: int  # micro-kernel columns in registers: nr = vectors x lanes
     why: str
     int8: tuple[DotIsa, ...] = ()  # its exact int8 dot products, best first
+    # LLVM lowers a vector ldexp to one instruction (AVX-512's vscalefps; elsewhere a libm
+    # call per lane): the fast exp scales by it (``fastmath.fast_exp``)
+    ldexp: bool = False
 
     @property
     def gemm_sums(self) -> int:
@@ -52,7 +56,7 @@ class VectorIsa:
 VECTOR_ISAS: tuple[VectorIsa, ...] = (
     VectorIsa("avx512", "avx512f", 16, 32, 6, 4,
               "6 x 4 = 24 sums + 4 panel vectors + 1 broadcast of 32 zmm (measured on Zen 5, "
-              "RMSNorm + GEMM 256 x 4096 -> 4096)", (AMX_INT8, AVX512_VNNI)),
+              "RMSNorm + GEMM 256 x 4096 -> 4096)", (AMX_INT8, AVX512_VNNI), ldexp=True),
     VectorIsa("avx2", "avx2", 8, 16, 4, 3,
               "4 x 3 = 12 sums + 3 panel vectors + 1 broadcast of 16 ymm (measured on Zen 3, "
               "RMSNorm + GEMM 256 x 4096 -> 4096: 4 x 24 at 43 ms, 6 x 16 at 58 ms)",
@@ -85,6 +89,18 @@ NARROWINGS: tuple[Narrowing, ...] = (
               "1.29 against 1.78 ms, Emerald Rapids); it flushes float32 subnormals to zero, "
               "and bfloat16's subnormals are float32's: below what float32 compute promises"),
 )
+
+
+def host_exp(x):
+    """The fast exp for this CPU's vector unit (``VectorIsa.ldexp``).
+
+    Examples
+    --------
+    >>> from redfuser.tvm.ir import tirx
+    >>> str(host_exp(tirx.Var("x", "float32")).ty.dtype)
+    'float32'
+    """
+    return fast_exp(x, ldexp=host_isa().ldexp)
 
 
 def host_narrowing(dtype: str, lanes: int) -> str | None:
