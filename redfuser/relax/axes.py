@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
+from algebra.dtypes import STORAGE
+
 from .frag import Unliftable
 from .values import Ext, Lifting, Operand, static_shape
 
@@ -130,8 +132,8 @@ def read_weight(lf: Lifting, arg, view: View, where: tuple) -> Operand:
     """A norm's weight or bias (one axis of ``where`` per view axis: its size there, 1
     where it is broadcast) per element of the view: a per-row parameter, a stream, or a
     stream broadcast over part of the reduced axes (a per-channel weight of a group)."""
-    own = static_shape(arg.ty)
-    if prod(where) != prod(own) or str(arg.ty.dtype) != "float32":
+    own, dtype = static_shape(arg.ty), str(arg.ty.dtype)
+    if prod(where) != prod(own) or not (dtype == "float32" or lf.opmath and dtype in STORAGE):
         raise Unliftable(f"weight {own} {arg.ty.dtype} does not fit {where} float32")
     steps, full = [("reshape", where)], tuple(where)
     streamed = [where[a] for a in view.reduced if where[a] != 1]
@@ -141,4 +143,4 @@ def read_weight(lf: Lifting, arg, view: View, where: tuple) -> Operand:
     if view.perm:
         steps.append(("perm", view.perm))
     shape = (*(full[a] for a in view.kept), view.n if streamed else 1)
-    return lf.elem(Ext(arg, shape, "float32", tuple(steps)), view.out)
+    return lf.elem(Ext(arg, shape, dtype, tuple(steps), dtype), view.out)

@@ -71,19 +71,22 @@ def sinks(lf: Lifter) -> list:
 
 
 def narrowed(lf: Lifter, g: BindingGroup) -> None:
-    """Fold the casts after the group's per-element outputs into the kernel's stores: where
-    each one is read only by a cast to the same bfloat16 or float16 dtype in this block
-    (transformers' ``softmax(..., dtype=float32).to(query.dtype)``), the kernel stores that
-    dtype, rounding once to nearest even as the cast does, and the cast's value is the
-    kernel's output.  Otherwise every output stays float32."""
-    elems = [v for v, node in g.sinks if node.kind == "elem"]
-    here, read, casts = {b.var for b in lf.block.bindings}, readers(lf), {}
-    for v in elems:
+    """The dtype the kernel stores the group's per-element outputs in: their own where a
+    statistics op of a low-precision model gives them (``ops._opmath``); else, where each
+    one is read only by a cast to the same bfloat16 or float16 dtype in this block
+    (transformers' ``softmax(..., dtype=float32).to(query.dtype)``), that dtype, the cast
+    folded into the kernel's stores (rounding once to nearest even, as the cast does) and
+    its value the kernel's output.  Otherwise float32."""
+    here, read, casts, dtypes = {b.var for b in lf.block.bindings}, readers(lf), {}, set()
+    for v in (v for v, node in g.sinks if node.kind == "elem"):
         (reader, *more) = read.get(v, [None])
-        if more or reader not in here or not _narrowing(lf.values.get(reader)):
-            return
-        casts[v] = reader
-    dtypes = {str(lf.values[c].attrs.dtype) for c in casts.values()}
+        if str(v.ty.dtype) != COMPUTE.name:
+            dtypes.add(str(v.ty.dtype))
+        elif not more and reader in here and _narrowing(lf.values.get(reader)):
+            casts[v] = reader
+            dtypes.add(str(lf.values[reader].attrs.dtype))
+        else:
+            dtypes.add(COMPUTE.name)
     if len(dtypes) == 1:
         g.casts, g.out_dtype = casts, dtypes.pop()
 

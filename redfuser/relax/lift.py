@@ -33,6 +33,9 @@ class Lifter:
     absorbed: set = field(default_factory=set)  # (consumer var, operand var) read as nodes
     values: dict = field(default_factory=dict)  # every bound var of the function -> value
     quiet: set = field(default_factory=set)  # not reported: chains a handler absorbed
+    # inside a statistics op on bfloat16/float16 tensors, which computes in float32 (torch's
+    # softmax and norms do): its inputs are read in their storage dtype (``ops.statistics``)
+    opmath: bool = False
     seq: int = 0
     _inputs: list = field(default_factory=list)  # (Input, name)
     _pending: list = field(default_factory=list)
@@ -74,7 +77,7 @@ class Lifter:
         """Register a kernel input; returns (spec reference, fragment holding it).  Every
         tensor a kernel reads comes through here, so this is where a cascade on tensors
         of other than a storage dtype is refused, before anything is derived or built."""
-        _float32(ext)
+        _float32(ext, self.opmath)
         inp = Input(ext.source, kind, vector, tuple(rows), ext.prep, ext.storage)
         name = next((name for known, name in self._inputs
                      if known.source.same_as(inp.source) and known.prep == inp.prep
@@ -250,12 +253,13 @@ def _depends(expr, var, parents: dict) -> bool:
     return False
 
 
-def _float32(ext: Ext) -> None:
+def _float32(ext: Ext, opmath: bool = False) -> None:
     """Refuse an input the cascade reads as other than float32 (``Ext.dtype`` is the dtype
     after its prep: a boolean condition cast to float32 is float32): a cascade computed in
     bfloat16 rounds every step, and a float32 kernel would not compute what it does.  Its
-    storage may be bfloat16 or float16 where the model casts it to float32 first."""
-    if ext.dtype != COMPUTE.name:
+    storage may be bfloat16 or float16 where the model casts it to float32 first, or where
+    the op reading it computes in float32 itself (``opmath``)."""
+    if ext.dtype != COMPUTE.name and not (opmath and ext.dtype in STORAGE):
         raise Unliftable(dtype_refusal(ext.dtype))
 
 

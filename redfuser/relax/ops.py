@@ -9,7 +9,10 @@ the shape ops have small handlers.  A reduction reads its data as rows x stream
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from string import Formatter
+
+from algebra.dtypes import STORAGE
 
 from .attention import attention
 from .axes import VIEWS, View, axes_view, read_data, read_weight, weight_shape
@@ -188,10 +191,31 @@ def _last_axis(axis, rank: int):
 
 
 def statistics(lf: Lifting, call, ty) -> Node:
-    value, _, view = _statistics(lf, call)
+    with _opmath(lf, call, ty):
+        value, _, view = _statistics(lf, call)
     if value.kind != "elem":
         return dataclasses.replace(value, shape=static_shape(ty))
     return dataclasses.replace(value, shape=static_shape(ty), perm=view.perm)
+
+
+@contextmanager
+def _opmath(lf: Lifting, call, ty):
+    """A statistics op on bfloat16 or float16 tensors giving per-element values of that
+    dtype (a low-precision model's softmax or norm): torch computes it in float32 and
+    rounds its output once, which is what the kernel does, reading its tensors in their
+    own dtype and storing its output in it (``group.narrowed``).  A lifted operand would be
+    read unrounded, and a per-row result has no low-precision kernel output: refused."""
+    dtype = str(ty.dtype)
+    if dtype == "float32":
+        yield
+        return
+    if dtype not in STORAGE or STATS[call.op.name][1] != "elem" or call.args[0] in lf.nodes:
+        raise Unliftable(dtype_refusal(dtype))
+    lf.opmath = True
+    try:
+        yield
+    finally:
+        lf.opmath = False
 
 
 def batch_norm(lf: Lifting, call, ty) -> Node:

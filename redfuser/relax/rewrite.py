@@ -207,9 +207,11 @@ def _prepared(inp, shape: tuple, bind):
 def _stored(item, var, bind):
     """A kernel output as the dtype of the Relax value it becomes: a bfloat16 output comes
     as its int16 bits (``algebra.dtypes``) and is viewed back."""
-    want = str(var.ty.dtype)
-    if argument_dtype(want) == want or str(item.ty.dtype) == want:
+    want, got = str(var.ty.dtype), str(item.ty.dtype)
+    if got == want:
         return item
+    if got != argument_dtype(want):
+        raise Unliftable(f"output {var.name} is {want}; the kernel's is {got}")
     return bind(relax.op.memory.view(item, dtype=want), "rf_stored")
 
 

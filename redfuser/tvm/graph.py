@@ -34,7 +34,34 @@ def import_torch(model, args: tuple, dynamic_shapes=None) -> IRModule:
 
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         exported = torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes)
+        if _low_precision(model):
+            exported = exported.run_decompositions({torch.ops.aten.addmm.default: _addmm,
+                                                    torch.ops.aten.linear.default: _linear})
         return from_exported_program(exported)
+
+
+def _low_precision(model) -> bool:
+    """Does the model hold bfloat16 or float16 parameters?"""
+    import torch  # lazily, as in import_torch
+
+    return any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
+
+
+def _addmm(bias, mat1, mat2, beta=1, alpha=1):
+    """``aten.addmm`` of a low-precision model in float32, rounded once at the end, as
+    torch's CPU kernel computes it: TVM's importer writes the product in float32 and adds the
+    low-precision bias to it, which Relax refuses ("Binary operators must have the same
+    datatype"; GPT-2's Conv1D and BERT's linears in bfloat16)."""
+    out = alpha * (mat1.float() @ mat2.float()) + beta * bias.float()
+    return out.to(mat1.dtype)
+
+
+def _linear(x, weight, bias=None):
+    """``aten.linear`` of a low-precision model: with a bias as ``_addmm`` (BERT's), else
+    the product in the model's dtype, as TVM imports it."""
+    if bias is None:
+        return x @ weight.transpose(0, 1)
+    return ((x.float() @ weight.float().transpose(0, 1)) + bias.float()).to(x.dtype)
 
 
 def build_relax(mod: IRModule, pipeline, target: dict):

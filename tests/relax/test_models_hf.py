@@ -53,11 +53,13 @@ def test_gpt2_with_sdpa_exports_at_a_symbolic_length_and_fuses():
     assert set(ARCHS["gpt2"].must_fuse["sdpa"]) <= r.fused_ops(), str(r.report)
 
 
-@pytest.mark.parametrize("name,fused", [("llama", 4), ("t5", 4)])
-def test_bfloat16_models_fuse_with_their_input_casts_folded(name, fused):
+@pytest.mark.parametrize("name,fused,folded", [("llama", 4, 8), ("t5", 4, 8), ("bert", 4, 2)])
+def test_bfloat16_models_fuse_with_their_input_casts_folded(name, fused, folded):
     """transformers' model in bfloat16: the norms and the softmax are fused with the cast to
     float32 before them folded into the kernel's loads (bfloat16 read, float32 inside) and
-    the cast back after them into its stores (at least two casts fewer a cascade), and
+    the cast back after them into its stores (``folded`` casts fewer at least), and
+    BERT's LayerNorms on bfloat16 tensors (computed in float32, as torch does) are fused with
+    their output stored in bfloat16, and its linears import (``graph._linear``), and
     the model's output agrees with torch's bfloat16 eager within two bfloat16 units in the
     last place of its scale (the unfused build is as far: both round the same float32
     values).  Not fused, unlike float32: a norm whose output is cast back to bfloat16 before
@@ -69,7 +71,8 @@ def test_bfloat16_models_fuse_with_their_input_casts_folded(name, fused):
     mod, report = fuse(imported), fuse.report
     assert report.fused == fused, str(report)
     casts = [str(m["main"]).count("R.astype") for m in (imported, mod)]
-    assert casts[1] <= casts[0] - 2 * fused, casts
+    assert casts[1] <= casts[0] - folded, casts
+    assert "R.nn.layer_norm" not in str(mod["main"])  # TVM cannot legalize it in bfloat16
     with torch.no_grad():
         want = model(*inputs).float().numpy().astype(np.float64)
     got = run(build(mod, fuse=False)[0], *(x.numpy() for x in inputs))
