@@ -236,13 +236,17 @@ def _max_error(model, executable, inputs) -> float:
 
 
 def _times(model, name: str, seq: int, symbolic: bool, executable,
-           repeat: int) -> tuple[float, float]:
-    """Median ms of the unfused build (the same export, without the pass) and the fused one."""
+           repeat: int) -> tuple[float | None, float]:
+    """Median ms of the unfused build (the same export, without the pass; None where TVM
+    cannot build it: a bfloat16 LayerNorm) and the fused one."""
     inputs = model_inputs(name, seq)
     mod = import_torch(model, inputs, _dynamic_shapes() if symbolic else None)
-    unfused = build(mod, fuse=False)[0]
     arrays = [relax_tensor(x.numpy()) for x in inputs]
-    return tuple(_median_ms(ex, arrays, repeat) for ex in (unfused, executable))
+    try:
+        unfused = _median_ms(build(mod, fuse=False)[0], arrays, repeat)
+    except Exception:  # noqa: BLE001 - TVM's own errors: the row says the build failed
+        unfused = None
+    return unfused, _median_ms(executable, arrays, repeat)
 
 
 def _dynamic_shapes() -> dict:
@@ -265,8 +269,8 @@ def hf_table(results: list[HFResult]) -> str:
     lines = [head, "-" * len(head)]
     for r in results:
         e = "  ".join(f"{r.errors.get(n, float('nan')):8.1e}" for n in LENGTHS)
-        t = (f"{r.unfused_ms:10.3f} {r.fused_ms:8.3f}" if r.fused_ms is not None
-             else f"{'-':>10s} {'-':>8s}")
+        timed = r.fused_ms is not None  # untimed: neither; timed: the unfused may not build
+        t = f"{_ms(r.unfused_ms, 'no build' if timed else '-'):>10s} {_ms(r.fused_ms, '-'):>8s}"
         lines.append(f"{r.label:14s} {r.mode:8s} {r.report.found:5d} {r.report.fused:5d} "
                      f"{r.report.skipped:4d}  {e} {t}")
     lines += ["", "Export notes and cascades still skipped:"]
@@ -274,6 +278,10 @@ def hf_table(results: list[HFResult]) -> str:
         lines.append(f"  {r.label}: {r.note}")
         lines += [f"    skipped {reason}" for reason in _distinct(r.report.reasons())]
     return "\n".join(lines)
+
+
+def _ms(value: float | None, missing: str) -> str:
+    return missing if value is None else f"{value:.3f}"
 
 
 def _distinct(reasons: list[str]) -> list[str]:
