@@ -30,8 +30,8 @@ def is_zero(e: sp.Expr, domain: sp.Expr = sp.S.Zero) -> bool:
     nothing), then the expanded numerator over one denominator (exact, and 10-20x faster
     than simplify on these sums of exponentials; hyperbolic functions written with exp
     first: as they are, 1 - tanh(u)**2 and cosh(u)**-2 never cancel, and trying cost a
-    softcapped loss's proof 1.1 of 5.8 s), else sympy's simplify, then again with sign(u) = u / |u| (true for u != 0; at
-    u = 0 neither |u| nor sqrt(u**2) has one)."""
+    softcapped loss's proof 1.1 of 5.8 s), else sympy's simplify, then again with
+    sign(u) = u / |u| (true for u != 0; at u = 0 neither |u| nor sqrt(u**2) has one)."""
     conditions = sorted({w.args[0] for w in (e + domain).atoms(Where)},
                         key=sp.default_sort_key)
     if conditions:  # a select is its branch wherever its condition is fixed

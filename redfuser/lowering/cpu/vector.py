@@ -16,7 +16,7 @@ multiply-add latency (two pipes x four cycles on recent x86 cores: 8 in flight).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from ...tvm.target import cpu_has, cpu_target
@@ -103,6 +103,7 @@ def host_exp(x):
     return fast_exp(x, ldexp=host_isa().ldexp)
 
 
+@cache
 def host_narrowing(dtype: str, lanes: int) -> str | None:
     """The intrinsic of ``NARROWINGS`` that rounds ``lanes`` float32 lanes to ``dtype`` on
     this CPU, None where it has none (float16 needs none: LLVM's own cast is F16C).
