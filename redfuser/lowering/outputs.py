@@ -13,7 +13,7 @@ from algebra.stash import tile_anchor
 from ..tvm.ir import T, tirx
 from .geometry import is_streamed
 from .registers import States, working
-from .texpr import storage_of, stored
+from .texpr import stored
 
 STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
 # user's name)
@@ -77,7 +77,8 @@ class OutputSteps:
             values = {s: b[r if row is None else row, i, slot] for s, (b, row) in reads.items()}
             values |= {d: T.bind(self._dot(d, r, i)) for d in dots}  # a loop over D each
             look = self.base_lookup(r, i, slot, {**hoisted, **values})
-            narrow = self.narrowing(storage_of(buf.dtype), lanes) if lanes > 1 else None
+            # per-element outputs are stored as ``geo.out_dtype``
+            narrow = self.narrowing(self.geo.out_dtype, lanes) if lanes > 1 else None
             T.buffer_store(buf, stored(self.expr(expr, look), buf.dtype, narrow), [r, i, slot])
 
         vector = 1 if dots else self.simd  # a dot's own loop cannot sit in a vector lane

@@ -46,11 +46,6 @@ def loaded(buf, index: list):
     return value if buf.dtype == "float32" else tirx.Cast("float32", value)
 
 
-def storage_of(dtype: str) -> str:
-    """The storage dtype a buffer declared as ``dtype`` holds (bfloat16 as its int16 bits)."""
-    return "bfloat16" if dtype == BF16_BITS else str(dtype)
-
-
 def stored(value, dtype: str, intrinsic: str | None = None):
     """A float32 value as a buffer of ``dtype`` holds it, rounded to nearest even (a NaN
     stays a quiet NaN of its sign; bfloat16: bits + 0x7FFF + the kept lowest bit, the top

@@ -125,7 +125,8 @@ def read_data(lf: Lifting, data, view: View) -> Operand:
     if not view.perm:
         return lf.elem(Ext(ext.source, view.out, ext.dtype, (), ext.storage), view.out)
     steps = (("reshape", shape),) if shape != own else ()
-    return lf.elem(Ext(data, view.out, ext.dtype, (*steps, ("perm", view.perm))), view.out)
+    return lf.elem(Ext(data, view.out, ext.dtype, (*steps, ("perm", view.perm)),
+                       str(data.ty.dtype)), view.out)
 
 
 def read_weight(lf: Lifting, arg, view: View, where: tuple) -> Operand:

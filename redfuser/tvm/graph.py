@@ -12,6 +12,8 @@ from tvm.ir import GenericConst, IRModule
 from tvm.ir.transform import Sequential, module_pass
 from tvm.s_tir import dlight
 
+from algebra.dtypes import COMPUTE, storage
+
 from .runtime import TVM_ALIGNMENT, from_numpy
 
 __all__ = ["GenericConst", "IRModule", "Sequential", "build_relax", "dlight", "import_torch",
@@ -41,10 +43,8 @@ def import_torch(model, args: tuple, dynamic_shapes=None) -> IRModule:
 
 
 def _low_precision(model) -> bool:
-    """Does the model hold bfloat16 or float16 parameters?"""
-    import torch  # lazily, as in import_torch
-
-    return any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
+    """Does the model hold parameters of a storage dtype narrower than float32?"""
+    return any(storage(p.dtype) not in (None, COMPUTE) for p in model.parameters())
 
 
 def _addmm(bias, mat1, mat2, beta=1, alpha=1):

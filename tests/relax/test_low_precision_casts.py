@@ -46,6 +46,15 @@ def _casts(mod) -> list[str]:
             and getattr(b.value.op, "name", "") == "relax.astype"]
 
 
+def assert_one_ulp(got: np.ndarray, want: np.ndarray, dtype) -> None:
+    """``got`` (of ``dtype``) within one unit in the last place of the float64 ``want``
+    rounded to ``dtype``."""
+    assert got.dtype == np.dtype(dtype)
+    rounded = want.astype(dtype)
+    ulp = np.abs(np.spacing(rounded).astype(np.float64))
+    assert np.all(np.abs(got.astype(np.float64) - rounded.astype(np.float64)) <= ulp)
+
+
 def _oracle(x: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     s = x.to(dtype).double().numpy() * 2.0
     p = np.exp(s - s.max(-1, keepdims=True))
@@ -62,11 +71,8 @@ def test_the_cast_back_is_folded_into_the_kernels_stores(dtype):
     # before: the model's input cast, the widening, the cast back; after: the input's alone
     assert _casts(mod) == [name, "float32", name] and _casts(fused) == [name], _casts(fused)
     got = np.asarray(out)
-    assert got.dtype == np.dtype(NUMPY[dtype])
     want = _oracle(x, dtype)
-    rounded = want.astype(NUMPY[dtype]).astype(np.float64)
-    ulp = np.abs(np.spacing(want.astype(NUMPY[dtype])).astype(np.float64))
-    assert np.all(np.abs(got.astype(np.float64) - rounded) <= ulp)
+    assert_one_ulp(got, want, NUMPY[dtype])
 
 
 def test_an_output_read_in_float32_too_keeps_its_cast():
@@ -106,11 +112,26 @@ def test_a_norm_on_low_precision_tensors_computes_in_float32(dtype):
     assert report.fused == 1, str(report)
     assert "R.nn.layer_norm" not in str(fused["main"])
     got = np.asarray(out)
-    assert got.dtype == np.dtype(NUMPY[dtype])
     xs = x.to(dtype).double().numpy()
     g, b = (p.detach().double().numpy() for p in (model.ln.weight, model.ln.bias))
     mean, var = xs.mean(-1, keepdims=True), xs.var(-1, keepdims=True)
     want = (xs - mean) / np.sqrt(var + 1e-5) * g + b
-    rounded = want.astype(NUMPY[dtype]).astype(np.float64)
-    ulp = np.abs(np.spacing(want.astype(NUMPY[dtype])).astype(np.float64))
-    assert np.all(np.abs(got.astype(np.float64) - rounded) <= ulp)
+    assert_one_ulp(got, want, NUMPY[dtype])
+
+
+class MiddleAxisSoftmax(nn.Module):
+    def forward(self, x):
+        return torch.softmax(x.to(torch.bfloat16) * 2.0, dim=1)
+
+
+def test_a_softmax_over_a_middle_axis_of_low_precision_tensors():
+    """The reduced axis moved last (a permuted read) keeps the tensor's storage dtype: the
+    kernel was declared float32 and its call refused ("Argument 0 type mismatch")."""
+    x = torch.randn(3, 20, 8, generator=torch.Generator().manual_seed(0))
+    _, _, report, out = _fused(MiddleAxisSoftmax().eval(), (x,))
+    assert report.fused == 1, str(report)
+    s = x.to(torch.bfloat16).double().numpy()
+    s = (s * 2.0).astype(ml_dtypes.bfloat16).astype(np.float64)  # the multiply in bfloat16
+    p = np.exp(s - s.max(1, keepdims=True))
+    want = p / p.sum(1, keepdims=True)
+    assert_one_ulp(np.asarray(out), want, ml_dtypes.bfloat16)

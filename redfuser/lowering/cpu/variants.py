@@ -119,10 +119,8 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=No
     if plan.row_block > 1:
         return _rolling_blocks(em, geo, plan, results, elementwise)
     stash = bool(elementwise) and stash_applies(rule, geo, plan)
-    if stash and not stash_rows(geo):
-        em.stash_into(elementwise, plan.lanes * plan.tile)
     with _stash_rows(geo, rule.stashes if stash and stash_rows(geo) else {}) as (r, rows):
-        if rows:
+        if stash:  # into the outputs, or the thread's float32 rows
             em.stash_into(elementwise, plan.lanes * plan.tile, rows)
         if not geo.static:
             em.bind_rows(r)
