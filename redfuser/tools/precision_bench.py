@@ -15,6 +15,7 @@ import numpy as np
 
 import redfuser
 from algebra.dtypes import STORAGE
+from algebra.layout import bits_view
 
 from .timing import median_ms
 
@@ -76,11 +77,11 @@ def _torch_fn(torch, spec: str):
 
 
 def _to_torch(torch, value):
+    """An input as a torch tensor over its memory (bfloat16 through its bits, which torch's
+    ``from_numpy`` takes: ``algebra.layout.bits_view``)."""
     if not isinstance(value, np.ndarray):
         return value
-    if value.dtype == STORAGE["bfloat16"].numpy:
-        return torch.from_numpy(value.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(value)
+    return torch.from_numpy(bits_view(value)).view(getattr(torch, value.dtype.name))
 
 
 def row(name: str, dtype: str, scale: float, repeat: int, torch) -> dict:
