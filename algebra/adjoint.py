@@ -80,6 +80,26 @@ def _diff(expr: sp.Expr, s: sp.Symbol) -> sp.Expr:
     return out
 
 
+def ratio(db: sp.Expr, body: sp.Expr) -> sp.Expr:
+    """db / body, branch by branch through selects on one condition (a masked exp's
+    derivative is -1 times it on both branches; a branch 0 in both says nothing); nan where
+    ``body`` is 0.
+
+    Examples
+    --------
+    >>> x, m, p = sp.symbols("x m p", real=True)
+    >>> ratio(-sp.exp(x - m), sp.exp(x - m))
+    -1
+    >>> ratio(Where(x > p, -sp.exp(x - m), 0), Where(x > p, sp.exp(x - m), 0))
+    -1
+    """
+    if isinstance(body, Where) and isinstance(db, Where) and db.args[0] == body.args[0]:
+        pairs = zip(db.args[1:], body.args[1:], strict=True)
+        ratios = {ratio(d, b) for d, b in pairs if (d, b) != (0, 0)}
+        if len(ratios) == 1:
+            return ratios.pop()
+    return sp.simplify(db / body) if body != 0 else sp.nan
+
 
 class RowSum(sp.Function):
     """``sum(body)`` over the stream, as a node of a backward line (printed as the spec's

@@ -10,7 +10,9 @@ rule).  A reduction ``R = sum(b(x, a))`` passes ``adjoint(R) * sum(db/da)`` to e
 or parameter ``a``: where ``db/da = c(a) * b`` (exp(x - m): c = -1) that is ``c * R``, no new
 sum; otherwise the adjoint of R is *materialised* as a line of the backward spec
 (``g_R = ... + sum(...)``) and read as an anchor, which makes the backward a cascade that
-the same engine fuses and proves.  A max/min reduction passes nothing where the outputs do
+the same engine fuses and proves.  A product ``R = prod(b)`` whose factors cannot be 0
+passes the same with ``db/da`` replaced by ``R * (db/da) / b``, its log-derivative
+(``algebra.backward_products``).  A max/min reduction passes nothing where the outputs do
 not depend on it (a stabiliser: softmax's m), which is proven, not assumed; otherwise it
 is differentiated at its selection, as a top-k result is (``algebra.backward_selections``).
 The stream's gradient is a per-element output:
@@ -51,9 +53,17 @@ from .adjoint import (
     RowSum,
     diff,
     expressions_of,
+    ratio,
     results_in_order,
     spelled,
     symbols_of,
+)
+from .backward_products import (
+    PRODUCTS,
+    check_factors,
+    element_derivative,
+    products_reached,
+    through_product,
 )
 from .backward_proof import prove
 from .backward_selections import Selection, contracted_selections, rewritten, selection
@@ -61,7 +71,6 @@ from .backward_text import spelling, written
 from .backward_vectors import ROLES, column_text, contracted, simplified, solved_hidden, tidied
 from .cascade import POSITION, Cascade, N
 from .errors import NoBackward
-from .functions import Where
 from .laws import LAWS
 from .limits import DERIVE_BUDGET_S, budget_raises, time_budget
 from .names import fresh
@@ -73,11 +82,8 @@ INDEX_RETURNS = ("index", "indices_k")  # a law's ``returns`` for an integer res
 # why a gradient or a whole backward is refused, as data: reason -> message template
 REFUSALS = {
     "index": "{name} is an index: integer outputs have no gradient",
-    "op": "{name} = {op}(...): only sum reductions and selections (max, min, top-k) are "
-          "differentiated",
-    "staged": "{name} is a staged cascade ({passes} passes: a later one reads an earlier "
-              "one's final over the row); its backward would chain the stages' backwards "
-              "through those finals, which the engine does not derive yet",
+    "op": "{name} = {op}(...): only sum and product reductions and selections (max, min, "
+          "top-k) are differentiated",
 }
 
 
@@ -104,6 +110,7 @@ class Backward:
     column_params: dict[str, str] = field(default_factory=dict)  # new parameter -> ROLES key
     dots: dict[str, tuple[str, str]] = field(default_factory=dict)  # delta -> (upstream, output)
     selections: tuple[Selection, ...] = ()  # max/min/top-k differentiated at their selection
+    products: tuple[str, ...] = ()  # prod results differentiated by their log-derivative
 
     @property
     def per_element(self) -> set[str]:
@@ -135,6 +142,8 @@ class Backward:
         lines += [f"  no gradient of {name}: {why}" for name, why in self.refused.items()]
         lines += [f"  {s}: a stabiliser, the outputs do not depend on it (proven)"
                   for s in self.stabilisers]
+        lines += [f"  {p}: a product, differentiated by its log-derivative {p} * sum(d factor "
+                  "/ factor) (no factor can be 0)" for p in self.products]
         lines += [f"  {delta} = dot({d}, {o}) per row, from the saved output"
                   for delta, (d, o) in self.dots.items()]
         for s in self.selections:
@@ -250,7 +259,7 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
                     tuple(stabilisers), refused, proofs, _maps(sw, streams, params),
                     column_spec, column_params,
                     {delta.name: (d.name, o) for o, (d, delta) in dots.items()},
-                    tuple(selections))
+                    tuple(selections), products_reached(sw.c, sw.adjoint))
 
 
 class _Selects(Exception):
@@ -348,11 +357,14 @@ def _sweep(sw: _Sweep, seeds: dict[str, sp.Expr], up: dict[str, sp.Symbol]) -> l
                 raise _Selects(name)
             stabilisers.append(name)
             continue
-        if red.op != "sum":
+        if red.op != "sum" and red.op not in PRODUCTS:
             raise NoBackward(refusal("op", name=name, op=red.op))
+        check_factors(c, red)  # a product's log-derivative: no factor may be 0
         for s in red.body.free_symbols:
             if s.name in values:
-                sw.adjoint[s.name] += _through_sum(sw, red, s, a)
+                sw.adjoint[s.name] += (_through_sum(sw, red, s, a) if red.op == "sum" else
+                                       through_product(red, s, a, sw.sym[name],
+                                                       sw.per_element, sw.value_of))
     return stabilisers
 
 
@@ -361,22 +373,11 @@ def _through_sum(sw: _Sweep, red, s: sp.Symbol, a: Adjoint) -> Adjoint:
     db/ds = c * b with c free of the stream and dividing by nothing db/ds does not (no new
     pole: x * m gives 1/m), that is c * red; else one more sum."""
     db = diff(red.body, s)
-    ratio = _ratio(db, red.body)
-    new_pole = sp.denom(ratio).free_symbols - sp.denom(sp.together(db)).free_symbols
-    if not ratio.free_symbols & sw.per_element and not new_pole:
-        return a.times(ratio * sw.sym[red.name])
+    c = ratio(db, red.body)
+    new_pole = sp.denom(c).free_symbols - sp.denom(sp.together(db)).free_symbols
+    if not c.free_symbols & sw.per_element and not new_pole:
+        return a.times(c * sw.sym[red.name])
     return Adjoint(body=sw.value_of(red.name) * db)  # inline where the adjoint has no sum
-
-
-def _ratio(db: sp.Expr, body: sp.Expr) -> sp.Expr:
-    """db / body, branch by branch through selects on one condition (a masked exp's
-    derivative is -1 times it on both branches; a branch 0 in both says nothing)."""
-    if isinstance(body, Where) and isinstance(db, Where) and db.args[0] == body.args[0]:
-        pairs = zip(db.args[1:], body.args[1:], strict=True)
-        ratios = {_ratio(d, b) for d, b in pairs if (d, b) != (0, 0)}
-        if len(ratios) == 1:
-            return ratios.pop()
-    return sp.simplify(db / body) if body != 0 else sp.nan
 
 
 def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
@@ -385,12 +386,12 @@ def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
     summed over the rows in the other orientation, refused inputs); parameter gradients
     become lines of the spec."""
     c, streams, params, columns, refused = sw.c, [], {}, [], {}
-    sums = [r for r in c.reductions if r.op == "sum"]
+    sums = [r for r in c.reductions if r.op == "sum" or r.op in PRODUCTS]
     for s in c.streams:
         expr = sum((d * diff(c.elementwise[o], s) for o, d in up.items()
                     if o in c.elementwise), sp.S.Zero)
-        expr += sum((sw.value_of(r.name) * diff(r.body, s) for r in sums
-                     if s in r.body.free_symbols), sp.S.Zero)
+        expr += sum((sw.value_of(r.name) * element_derivative(r, s, sw.sym[r.name])
+                     for r in sums if s in r.body.free_symbols), sp.S.Zero)
         if s.name in c.vector_inputs:
             columns.append((s, sw.name(f"d{s.name}"), simplified(expr)))
         else:

@@ -7,7 +7,8 @@ Sums are symmetric in their elements, so three elements cover an element's own t
 others'; a dot product is a sum over the features, so two components cover a feature's own
 term and the others' (a gradient is proven component by component).  A selection (max,
 top-k: ``algebra.backward_selections``) is proven at every fixed choice of the elements it
-selects, where its value is the chosen elements' and the loss is smooth."""
+selects, where its value is the chosen elements' and the loss is smooth.  A product
+(``algebra.backward_products``) is unrolled as the product of its factors."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ import itertools
 import sympy as sp
 
 from .adjoint import RowSum, diff, results_in_order
-from .cascade import POSITION, Cascade, N
+from .cascade import POSITION, Cascade, N, Reduction
 from .functions import Dot, Where
+from .laws import LAWS
 
 PROOF_LENGTHS = (1, 2, 3)  # unrolled element counts the gradients are proven at
 PROOF_FEATURES = 2  # symbolic components of each feature vector
@@ -145,7 +147,7 @@ class Unrolled:
         reductions = {r.name: r for r in c.reductions}
         for name in results_in_order(c):
             if name not in stabilisers:
-                self.env[name] = (self.total(reductions[name].body) if name in reductions
+                self.env[name] = (self.reduced(reductions[name]) if name in reductions
                                   else self.at(c.epilogues[name], 0))
         for o, (d, delta) in dots.items():
             self.env[delta.name] = _dot(self.value_of(d), self.env[o])
@@ -197,6 +199,13 @@ class Unrolled:
         if s.name in self.env:
             return self.env[s.name]
         return self.value_of(s)
+
+    def reduced(self, r: Reduction) -> sp.Expr:
+        """A reduction in closed form: the product of its body's values at the ``n``
+        elements for a product, else their sum (a selection is a sum: ``rewritten``)."""
+        if LAWS[r.op].family == "multiplicative":
+            return sp.Mul(*(self.at(r.body, j) for j in range(self.n)))
+        return self.total(r.body)
 
     def total(self, body: sp.Expr):
         terms = [self.at(body, j) for j in range(self.n)]

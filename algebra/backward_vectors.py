@@ -158,14 +158,22 @@ def simplified(e: sp.Expr, tidy=sp.simplify) -> sp.Expr:
     relational condition numerically (``i <= pos``: 1.4 of causal_attention's 3.3 s
     backward), which the branches do not hold.  Where a branch is written every select of
     that condition takes it, so both cases are the cases the proof takes
-    (``backward_proof.is_zero``).
+    (``backward_proof.is_zero``).  ``sign(u)`` (abs' with torch's abs'(0) = 0) is held as
+    it is: simplify writes it as a Piecewise of ``u / |u|`` and ``Eq(u, 0)``, which no
+    select case fixes (mad's backward: an unproven gradient after 38 s).
 
     Examples
     --------
     >>> i, p, x = sp.symbols("i pos x", real=True)
     >>> simplified(x * Where(i <= p, x, 0) + Where(i <= p, 1, 0))
     where(i <= pos, x**2 + 1, 0)
+    >>> simplified(-2 * sp.sign(p - x) / 2)
+    -sign(pos - x)
     """
+    signs = {s: sp.Dummy("sign", real=True) for s in e.atoms(sp.sign)}
+    if signs:
+        held = simplified(e.xreplace(signs), tidy)
+        return held.xreplace({d: s for s, d in signs.items()})
     conditions = {w.args[0] for w in e.atoms(Where)}
     if len(conditions) != 1:
         return tidy(e)

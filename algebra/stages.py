@@ -20,16 +20,16 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .backward import refusal
 from .cascade import Cascade, Reduction, carries_feature_axis
 from .components import LinearComponent
 from .derive import running_values
-from .errors import NoBackward, NotFusable
+from .errors import NotFusable
 from .interpret import run_staged
 from .prove import Obligation
 from .rule import FusionRule
+from .stages_backward import StagedBackward, staged_backward
 from .stash import row_rewrite, worth_stashing
 
 DeriveCascade = Callable[[Cascade], FusionRule]
@@ -74,14 +74,18 @@ class RowStash:
 class StagedRule:
     """A cascade as consecutive one-pass stages (``Stage``), each proven as a ``FusionRule``.
 
-    The public surface follows ``FusionRule``: ``verify``, ``evaluate``, ``str``,
-    ``to_json``, ``to_latex``, ``outputs``, ``obligations``, ``status``.
+    The public surface follows ``FusionRule``: ``verify``, ``evaluate``, ``backward``,
+    ``str``, ``to_json``, ``to_latex``, ``outputs``, ``obligations``, ``status``.
     """
 
     cascade: Cascade
     stages: tuple[Stage, ...]
     name: str | None = None
     stashes: tuple[RowStash, ...] = ()  # later stages reading an earlier one's values
+    # how each stage was derived (``staged``): the backward derives its forward and
+    # backward specs the same way (``rederived``); each backward derived once (``_backwards``)
+    derive_cascade: DeriveCascade | None = field(default=None, compare=False, repr=False)
+    _backwards: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def passes(self) -> int:
@@ -99,11 +103,41 @@ class StagedRule:
     def status(self) -> tuple[bool, ...]:
         return tuple(ok for s in self.stages for ok in s.rule.status)
 
-    def backward(self, outputs=None):
-        """Refused by name (``NoBackward``, ``algebra.backward.REFUSALS["staged"]``): only
-        one-pass rules have a derived backward."""
-        raise NoBackward(refusal("staged", name=self.name or "this cascade",
-                                 passes=self.passes))
+    def backward(self, outputs: tuple[str, ...] | None = None) -> StagedBackward:
+        """The backward of the whole cascade for the gradients of ``outputs`` (default:
+        the outputs no other value reads), derived and proven as a one-pass rule's, its
+        forward and backward specs derived in stages where they need them
+        (``algebra.stages_backward``).
+
+        Examples
+        --------
+        >>> from algebra import derive
+        >>> b = derive("relu_sum").backward()
+        >>> b.saved, b.proven, sorted(b.gradients)
+        (('m', 'm_at'), True, ['t', 'x'])
+        """
+        key = None if outputs is None else tuple(outputs)
+        if key not in self._backwards:
+            self._backwards[key] = staged_backward(self.cascade, key, self.rederived)
+        return self._backwards[key]
+
+    def rederived(self, cascade: Cascade) -> FusionRule | StagedRule:
+        """Another cascade derived as this one was: its one-pass rule where it has one,
+        else its stages.
+
+        Examples
+        --------
+        >>> from algebra import derive, parse
+        >>> rule = derive("mad")
+        >>> type(rule.rederived(parse("r = sum(x[i])"))).__name__
+        'FusionRule'
+        >>> rule.rederived(parse("m = max(x[i]); r = sum(relu(x[i] - m))")).passes
+        2
+        """
+        try:
+            return self.derive_cascade(cascade)
+        except NotFusable:
+            return staged(cascade, self.derive_cascade)
 
     def verify(self) -> bool:
         """Re-check every stage's and every row stash's proof obligations with sympy; True
@@ -290,7 +324,8 @@ def staged(cascade: Cascade, derive_cascade: DeriveCascade, name: str | None = N
         stages.append(Stage(rule, tuple(p.name for p in sub.params if p.name in earlier),
                             boundary))
         earlier = _closure(cascade, earlier | {r.name for r in members})
-    return StagedRule(cascade, tuple(stages), name, _stashes(stages, derive_cascade))
+    return StagedRule(cascade, tuple(stages), name, _stashes(stages, derive_cascade),
+                      derive_cascade)
 
 
 def _stashes(stages: list[Stage], derive_cascade: DeriveCascade) -> tuple[RowStash, ...]:

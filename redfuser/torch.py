@@ -12,7 +12,9 @@ an output's sizes are the inputs' own, and sizes the layout needs equal (q's, k'
 D) become torch guards or export constraints.
 
 Tensors that require grad are read as they are (detached, no copy).  An op is
-differentiable where the engine derives and proves its backward (``FusionRule.backward``):
+differentiable where the engine derives and proves its backward (``FusionRule.backward``;
+a staged rule's, ``StagedRule.backward``, is the whole cascade's, its forward and backward
+cascades compiled in stages where they need them):
 the backward cascade is registered as an op of its own (``<name>_backward``, so that
 ``torch.compile`` traces it too), the forward saves only the per-row results the backward
 reads (where one is a hidden sum, such as log_softmax's ``lse_sum``, the forward runs the
@@ -74,7 +76,7 @@ class CascadeOp:
         return _as_tuple(self.torch_op(*args, **kwargs))[:len(self.outputs)]
 
 
-def op(spec_or_rule: FusionRule | str, name: str | None = None,
+def op(spec_or_rule: FusionRule | StagedRule | str, name: str | None = None,
        scalars: tuple[str, ...] = (), differentiable: bool = True, **options) -> CascadeOp:
     """Register the compiled cascade as the torch custom op ``torch.ops.redfuser.<name>``.
 
@@ -95,7 +97,8 @@ def op(spec_or_rule: FusionRule | str, name: str | None = None,
     >>> y.tolist()
     [[0.25, 0.25, 0.25, 0.25], [0.25, 0.25, 0.25, 0.25]]
     """
-    rule = spec_or_rule if isinstance(spec_or_rule, FusionRule) else derive(spec_or_rule)
+    rule = spec_or_rule if isinstance(spec_or_rule, (FusionRule, StagedRule)) else \
+        derive(spec_or_rule)
     name = _op_name(rule, name)
     if name in _REGISTERED:
         return _existing(_REGISTERED[name], rule)
@@ -106,7 +109,9 @@ def op(spec_or_rule: FusionRule | str, name: str | None = None,
                          f"are {[p.name for p in rule.cascade.params]}")
     grad = _backward_of(rule, name, scalars, options) if differentiable else None
     hidden = isinstance(grad, Gradient) and grad.derived.forward_spec != rule.cascade.text
-    run = derive(grad.derived.forward_spec) if hidden else rule
+    # a staged forward saves in stages too: a hidden sum of its second pass (threshold_mass's
+    # mass_sum) is that pass's
+    run = derive(grad.derived.forward_spec, passes="auto") if hidden else rule
     kernel = Kernel(run.lowered() if isinstance(run, StagedRule) else run, **options)
     outputs = tuple(rule.outputs)
     returned = outputs + tuple(o for o in run.outputs if o not in outputs)
@@ -247,8 +252,9 @@ def _shared(derived, name: str, scalars, options) -> Shared | None:
 
 
 def _backward_op(spec: str, name: str, scalars, options) -> CascadeOp:
-    """A backward cascade's op, taking as Python numbers the forward's scalars it reads."""
-    rule = derive(spec)
+    """A backward cascade's op, taking as Python numbers the forward's scalars it reads; in
+    stages where it has no one-pass rule, as a staged forward."""
+    rule = derive(spec, passes="auto")
     used = tuple(s for s in scalars if s in rule.cascade.names)
     return op(rule, name, used, differentiable=False, **options)
 

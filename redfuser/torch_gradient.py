@@ -137,8 +137,10 @@ class Gradient:
                            strict=True))
         if summed:
             out |= self.shared.run(self.derived, values)
-        out |= {name: f(*(_per_element(values[a], axis) for a, axis in args))
-                for name, (f, args) in self.maps.items() if name in needed - summed}
+        out |= _along_the_row(self.derived, {
+            name: f(*(_per_element(values[a], axis) for a, axis in args))
+            for name, (f, args) in self.maps.items() if name in needed - summed}, values,
+            length)
         if self.columns is not None and needed & set(self.columns.outputs):
             laid = column_values(self.derived, values | out, self.columns.inputs,
                                  _rows(self.derived, values))
@@ -160,6 +162,21 @@ def _selected(s: Selection, values: dict, length: int) -> dict:
     out = {s.selector: zeros.scatter(-1, index, upstream)}
     if s.delta:
         out[s.delta] = (upstream * values[s.result]).sum(-1)
+    return out
+
+
+def _along_the_row(derived: Backward, maps: dict, values: dict, length: int) -> dict:
+    """``maps`` with each scalar stream's gradient that reads no stream (a mean's
+    dx = dr / N, geometric_mean's dx = dg * g_prod * exp(m) / N: a value per row, or a
+    constant) broadcast along the row, to the stream's shape."""
+    rows, streams = _rows(derived, values), derived.forward.streams
+    grads = {derived.gradients[s.name][0] for s in streams if s.name in derived.gradients
+             and s.name not in derived.forward.vector_inputs}
+    out, stream = dict(maps), values[streams[0].name]
+    for g in grads & set(maps):
+        t = torch.as_tensor(maps[g], dtype=stream.dtype, device=stream.device)
+        if tuple(t.shape) != (*rows, length):
+            out[g] = t.expand(rows).unsqueeze(-1).expand(*rows, length)
     return out
 
 

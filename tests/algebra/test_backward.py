@@ -12,6 +12,8 @@ room.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import sympy as sp
@@ -32,14 +34,8 @@ from tests.support import cascade_inputs, cascades, central_differences, example
 PROVEN = ("softmax", "log_softmax", "logsumexp", "cross_entropy", "layernorm", "rmsnorm",
           "l2_normalize", "variance", "softmax_moments", "attention", "causal_attention",
           "rmsnorm_gemm", "softmin_average", "linear_cross_entropy", "moe_routing",
-          "greedy_token", "softmax_entropy")
-# library cascade -> the start of the reason its backward is refused
-REFUSED = {
-    "geometric_mean": "g_prod = prod(...): only sum reductions",
-    "relu_sum": "relu_sum is a staged cascade (2 passes: ",
-    "mad": "mad is a staged cascade (2 passes: ",
-    "threshold_mass": "threshold_mass is a staged cascade (2 passes: ",
-}
+          "greedy_token", "softmax_entropy", "geometric_mean",
+          "mad", "relu_sum", "threshold_mass")  # the last three staged (test_staged.py)
 STEP = 1e-5
 TOL = 2e-3
 
@@ -113,12 +109,6 @@ def test_the_proof_of_a_selection_tells_a_wrong_gradient_from_a_right_one():
         proofs = prove(c, sym, [], {"p": sp.Symbol("dp", real=True)}, {}, ["m"],
                        [(c.streams[0], "dx", form)], {}, [], b.selections)
         assert all(ok for _, ok in proofs) is holds
-
-
-@pytest.mark.parametrize("name,reason", sorted(REFUSED.items()))
-def test_refused_backwards_name_the_value_and_the_reason(name, reason):
-    with pytest.raises(NoBackward, match=f"^{reason.replace('(', '[(]').replace(')', '[)]')}"):
-        derive(name).backward()
 
 
 def test_an_index_output_is_refused_by_name():
@@ -246,3 +236,69 @@ def test_shared_gradients_sum_over_the_rows_what_the_row_backward_writes_per_ele
                                                               "eps")})  # stream: the rows
     for name in s.gradients:
         np.testing.assert_allclose(summed[name], per_element[name].sum(0), rtol=1e-12)
+
+
+def test_a_product_passes_its_log_derivative_and_geometric_means_max_stabilises():
+    """geometric_mean's g_prod = prod(exp((x - m) / N)) passes -g_prod to m, which cancels
+    what g = g_prod * exp(m) passes (m a stabiliser, proven as softmax's m is); dx needs no
+    sum: a broadcast of dg * g / N, which the caller runs."""
+    b = derive("geometric_mean").backward()
+    assert b.proven and b.stabilisers == ("m",) and b.products == ("g_prod",)
+    assert b.saved == ("g_prod", "m") and b.is_map and b.spec == "dx[i] = dg*g_prod*exp(m)/N"
+    assert "g_prod: a product, differentiated by its log-derivative" in str(b)
+    assert "adjoint of m = 0 for every N: m only stabilises" in str(b)
+
+
+@pytest.mark.parametrize("spec, lines", [
+    ("p = prod(1 + exp(x[i]))", ["dx[i] = dp*p*exp(x[i])/(exp(x[i]) + 1)"]),
+    ("p = prod(exp(x[i] * t))", ["dt = sum(dp*p*x[i])", "dx[i] = dp*p*t"]),  # a new sum
+    ("p = prod(where(i <= pos, exp(x[i]), 1))", ["dx[i] = where(i <= pos, dp*p, 0)"]),
+])
+def test_products_of_factors_that_cannot_be_zero_are_derived_and_proven(spec, lines):
+    b = derive(spec).backward()
+    assert b.proven and b.products == ("p",) and b.spec.splitlines() == lines
+
+
+@pytest.mark.parametrize("spec, factor", [
+    ("p = prod(x[i])", "x[i]"),
+    ("p = prod(where(x[i] > 0, exp(x[i]), x[i]))", "where(x[i] > 0, exp(x[i]), x[i])"),
+    ("p = prod(exp(x[i]) - 1)", "exp(x[i]) - 1"),
+])
+def test_a_product_whose_factor_can_be_zero_is_refused_by_name(spec, factor):
+    """p/factor is not the derivative where a factor is 0 (torch's zero handling needs
+    the product of the other factors): refused, not a NaN at the zero."""
+    with pytest.raises(NoBackward, match=f"^p = prod[(]{re.escape(factor)}[)]: a factor can "
+                                         "be 0, where p/factor is not its derivative"):
+        derive(spec).backward()
+
+
+def test_the_proof_unrolls_a_product_as_the_product_of_its_factors():
+    """prod(1 + exp(x)) at N = 1, 2, 3: the log-derivative proves; a sum's rule applied
+    to it (dx = dp * exp(x), no p / factor) does not."""
+    c = parse("p = prod(1 + exp(x[i]))")
+    x, p = c.streams[0], c.reductions[0].symbol
+    dp = sp.Symbol("dp", real=True)
+    sym = {"x": x, "p": p}
+    right = dp * p * sp.exp(x) / (1 + sp.exp(x))
+    for form, holds in ((right, True), (dp * sp.exp(x), False)):
+        proofs = prove(c, sym, [], {"p": dp}, {}, [], [(x, "dx", form)], {}, [])
+        assert len(proofs) == 3 and all(ok for _, ok in proofs) is holds
+
+
+def test_a_products_backward_kernel_matches_differences_of_the_oracle():
+    """prod(exp(x * t)), t each row's own: dt is a sum the backward kernel runs; dx and dt
+    against central differences of the float64 oracle (the forward spec's reference)."""
+    spec = "p = prod(exp(x[i] * t))"
+    b = derive(spec).backward()
+    rng = np.random.default_rng(2)
+    inputs = {"x": rng.normal(size=(4, 6)).astype(np.float32),
+              "t": rng.uniform(0.2, 0.6, size=4).astype(np.float32)}
+    forward = redfuser.reference(spec, inputs)
+    upstream = {"p": rng.normal(size=forward["p"].shape)}
+    kernel = redfuser.compile(b.spec, tune=False)
+    grads = kernel(x=inputs["x"], t=inputs["t"], p=forward["p"].astype(np.float32),
+                   dp=upstream["p"].astype(np.float32))
+    for name, (grad, _) in b.gradients.items():
+        want = central_differences(spec, inputs, upstream, name, STEP)
+        got = np.asarray(grads[grad], np.float64).reshape(want.shape)
+        np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * (1 + np.abs(want).max()))

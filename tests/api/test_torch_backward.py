@@ -47,6 +47,8 @@ CASES = {
     # its max is differentiated at its selection (the adjoint's 0 is not proven symbolically)
     "softmax_entropy": ("h", lambda x, t: torch.distributions.Categorical(
         logits=x / t).entropy(), {"x": "normal", "T": 0.7}),
+    # a product (its log-derivative): g = exp(mean(x)), what the spec's g equals
+    "geometric_mean": ("g", lambda x: torch.exp(x.mean(-1)), {"x": "normal"}),
 }
 
 
@@ -119,7 +121,8 @@ def test_eager_gradients_match_torch_autograd_of_the_float64_reference(name, row
                             _torch_gradients(name, inputs, upstream), name)
 
 
-@pytest.mark.parametrize("name", ["softmax", "layernorm", "cross_entropy", "rmsnorm_gemm"])
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "cross_entropy", "rmsnorm_gemm",
+                                  "geometric_mean"])
 def test_gradients_under_torch_compile_fullgraph(name):
     inputs = _inputs(name, 4, 24, seed=7)
     out = CASES[name][1](*(v.double() if isinstance(v, torch.Tensor) else v
@@ -313,6 +316,7 @@ GRADCHECK = {
         0.1, dtype=torch.float64, requires_grad=True), "w": _float64(g, 5, 3)},
     "softmax_entropy": lambda g: {"x": _float64(g, 2, 5), "T": torch.tensor(
         0.7, dtype=torch.float64, requires_grad=True)},
+    "geometric_mean": lambda g: {"x": _float64(g, 2, 5)},
     "attention": lambda g: {"q": _float64(g, 2, 3, 2), "k": _float64(g, 2, 1, 3, 2),
                             "scale": torch.tensor(0.5, dtype=torch.float64,
                                                   requires_grad=True),
@@ -333,7 +337,8 @@ def test_gradcheck_on_the_float64_oracle_path(name):
     op = rt.op(name, name=f"{name}_gradcheck", tune=False)
     differentiated = {"softmax": "y", "log_softmax": "y", "layernorm": "y", "rmsnorm": "y",
                       "rmsnorm_gemm": "y",
-                      "moe_routing": "p", "softmax_entropy": "h", "attention": "o"}.get(
+                      "moe_routing": "p", "softmax_entropy": "h", "attention": "o",
+                      "geometric_mean": "g"}.get(
         name, "loss")
     index = op.outputs.index(differentiated)
     args = tuple(inputs[n] for n in op.inputs)
@@ -355,3 +360,58 @@ def test_gradients_of_inputs_the_rows_share_are_summed_over_them_deterministical
                             "layernorm")
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
     assert runs[0]["g"].shape == g_shape
+
+
+# a user's product of positive factors (its log-derivative): op name -> (its spec, the
+# float64 torch reference); inputs: a stream x of 3 x 9, t a learned scalar where read
+PRODUCTS = {
+    "softplus_product": ("p = prod(1 + exp(x[i]))", lambda x: (1 + torch.exp(x)).prod(-1)),
+    "scaled_product": ("p = prod(exp(x[i] * t))", lambda x, t: torch.exp(x * t).prod(-1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRODUCTS))
+def test_products_of_positive_factors_match_torch_autograd(name):
+    """dx (and dt, summed over the rows for a scalar t) of a product against torch's
+    autograd of the float64 reference; the float64 path through gradcheck."""
+    spec, reference = PRODUCTS[name]
+    g = torch.Generator().manual_seed(4)
+    inputs = {"x": torch.randn(3, 9, generator=g) / 2, "t": torch.tensor(0.7)}
+    op = rt.op(spec, name=name, tune=False)
+    leaves = {n: inputs[n].clone().requires_grad_() for n in op.inputs}
+    upstream = torch.randn(3, generator=g)
+    op(*leaves.values())[0].backward(upstream)
+    ref = {n: inputs[n].double().requires_grad_() for n in op.inputs}
+    reference(*ref.values()).backward(upstream.double())
+    _assert_gradients_match({n: v.grad for n, v in leaves.items()},
+                            {n: v.grad for n, v in ref.items()}, name)
+    args = tuple(v.detach().double().requires_grad_() for v in ref.values())
+    assert torch.autograd.gradcheck(lambda *a: op(*a)[0], args)
+
+
+def test_a_product_whose_factor_can_be_zero_refuses_its_backward_by_name():
+    """prod(x): x / factor is not the derivative at a zero factor; the op's backward raises
+    with the reason instead of returning a NaN there."""
+    op = rt.op("p = prod(x[i])", name="plain_product", tune=False)
+    x = torch.tensor([[2.0, 0.0, 3.0]], requires_grad=True)
+    (p,) = op(x)
+    torch.testing.assert_close(p.detach(), torch.tensor([0.0]))
+    with pytest.raises(NotImplementedError, match=r"redfuser\.plain_product: p = prod\(x\[i\]\): "
+                                                  "a factor can be 0"):
+        p.sum().backward()
+
+
+@pytest.mark.parametrize("spec, reference", [
+    ("r = sum(x[i]) / N", lambda x: x.mean(-1)),  # dx = dr / N: a value per row
+    ("m = sum(x[i]) / N\nr = sum(x[i] - m)", lambda x: (x - x.mean(-1, keepdim=True)).sum(-1)),
+])
+def test_a_stream_gradient_that_reads_no_stream_is_broadcast_along_the_row(spec, reference):
+    """A map with no stream argument (a mean's dr / N; the constant 0) gives one value per
+    row: the op broadcasts it to the stream's shape (it failed in sum_to_size)."""
+    op = rt.op(spec, name=f"row_constant_{spec.count(chr(10))}", tune=False)
+    x = torch.randn(4, 2, 7, generator=torch.Generator().manual_seed(6))
+    leaf, ref = x.clone().requires_grad_(), x.double().requires_grad_()
+    upstream = torch.randn(4, 2, generator=torch.Generator().manual_seed(7))
+    op(leaf)[op.outputs.index("r")].backward(upstream)
+    reference(ref).backward(upstream.double())
+    _assert_gradients_match({"x": leaf.grad}, {"x": ref.grad}, spec)

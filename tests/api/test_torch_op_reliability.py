@@ -22,6 +22,7 @@ TOL = KERNEL_TOL
 # attention with v spelled v[i]: the layout reads v as (*rows, N, D) by comparing sizes
 ATTENTION_V_UNDECLARED = ("s = dot(q, k[i, :]) * scale; m = max(s); d = sum(exp(s - m)); "
                           "o = sum(exp(s - m) * v[i]) / d")
+ZERO_PRODUCT = "p = prod(x[i])"  # a factor can be 0: its backward is refused by name
 
 
 def _attention64(q, k, v, scale):
@@ -100,47 +101,48 @@ def test_torch_export_with_heads_and_d_shared_by_q_k_v():
 
 
 def test_requires_grad_computes_and_a_refused_backward_names_the_op_and_why():
-    """geometric_mean's product has no derived backward: the backward raises with the
-    reason (``algebra.backward.REFUSALS``) instead of leaving x without a gradient."""
-    rt.op("geometric_mean", tune=False)
-    x = torch.randn(4, 64, requires_grad=True)
-    m, g = torch.ops.redfuser.geometric_mean(x)
-    torch.testing.assert_close(g.double(), torch.exp(x.detach().double().mean(-1)),
-                               rtol=TOL, atol=TOL)
+    """A product whose factors can be 0 has no derived backward: the backward raises with
+    the reason (``algebra.backward_products.ZERO_FACTOR``) instead of leaving x without a
+    gradient."""
+    rt.op(ZERO_PRODUCT, name="zero_product", tune=False)
+    x = (torch.rand(4, 64) + 0.5).requires_grad_()
+    g = torch.ops.redfuser.zero_product(x)
+    torch.testing.assert_close(g.double(), x.detach().double().prod(-1), rtol=TOL, atol=TOL)
     assert g.requires_grad and g.grad_fn is not None  # a graph, not silently cut
     with pytest.raises(NotImplementedError,
-                       match=r"redfuser\.geometric_mean: g_prod = prod.*only sum"):
+                       match=r"redfuser\.zero_product: p = prod\(x\[i\]\): a factor can be 0"):
         g.sum().backward()
     assert x.grad is None
 
 
-def test_a_staged_rule_is_an_op_whose_backward_is_refused_by_name():
+def test_a_staged_rule_is_an_op_that_differentiates():
     """A staged library rule (two passes) made an op: its forward is the oracle's (it used to
     fail with AttributeError: the op built its kernel from the StagedRule itself), and its
-    backward raises with the reason (``REFUSALS["staged"]``)."""
+    backward is the whole cascade's (more in tests/api/test_torch_backward_staged.py)."""
     rt.op("relu_sum", tune=False)
     x = torch.randn(3, 50, requires_grad=True)
     t = torch.full((3,), 1.0)
-    _, s = torch.ops.redfuser.relu_sum(x, t)
+    s = torch.ops.redfuser.relu_sum(x, t)[1]  # then m_at, the argmax the backward reads
     want = redfuser.reference("relu_sum", {"x": x.detach().double().numpy(), "t": t.numpy()})
     torch.testing.assert_close(s.double(), torch.from_numpy(want["s"]), rtol=TOL, atol=TOL)
-    with pytest.raises(NotImplementedError, match=r"redfuser\.relu_sum: relu_sum is a staged "
-                                                  r"cascade \(2 passes"):
-        s.sum().backward()
+    s.sum().backward()
+    ref = x.detach().double().requires_grad_()
+    torch.relu(ref - ref.max(-1, keepdim=True).values + 1.0).sum().backward()
+    torch.testing.assert_close(x.grad.double(), ref.grad, rtol=TOL, atol=TOL)
 
 
 def test_requires_grad_under_torch_compile():
-    rt.op("geometric_mean", tune=False)
+    rt.op(ZERO_PRODUCT, name="zero_product", tune=False)
     lin = torch.nn.Linear(16, 16)  # parameters: every forward builds a graph
 
     def model(x):
-        return torch.ops.redfuser.geometric_mean(lin(x))[1]
+        return torch.ops.redfuser.zero_product(lin(x))
 
     x = torch.randn(3, 16)
     g = torch.compile(model, fullgraph=True)(x)
-    torch.testing.assert_close(g.double(), torch.exp(lin(x).detach().double().mean(-1)),
+    torch.testing.assert_close(g.double(), lin(x).detach().double().prod(-1),
                                rtol=TOL, atol=TOL)
-    with pytest.raises(NotImplementedError, match=r"redfuser\.geometric_mean: .*only sum"):
+    with pytest.raises(NotImplementedError, match=r"redfuser\.zero_product: .*a factor can be 0"):
         g.sum().backward()
 
 
