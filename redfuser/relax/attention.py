@@ -6,7 +6,11 @@ head axis split, free), and each K/V row is shared by the G heads of its group t
 the kernels' row broadcasting, so grouped-query attention reads K and V once, with no
 repeated copy.  K, V and the bias are permuted to put the key axis before the features
 (``permute_dims``, one copy each).  A causal mask is a comparison of the key index with a
-per-row position, as the spec's ``where(i <= pos, s, -inf)``.
+per-row position, as the spec's ``where(i <= pos, s, -inf)``.  q, k, v and the bias are read
+in their own dtype (float32, bfloat16 or float16: loads convert, the kernel computes in
+float32, as torch's attention does on low-precision tensors); ``o`` takes the op's dtype,
+stored by the kernel rounded once (a feature-vector result, ``signature.stored_results``).
+Any other dtype is refused by name where the input is registered (``Lifter.input``).
 """
 
 from __future__ import annotations
@@ -28,15 +32,14 @@ def attention(lf: Lifting, call, ty) -> Node:
     """The attention op as one cascade: scores, max, sum of exponentials, weighted sum."""
     q, k, v = call.args[:3]
     (b, s, h, d), (_, n, hk, dk), sv = (static_shape(a.ty) for a in (q, k, v))
-    if any(str(a.ty.dtype) != "float32" for a in call.args) or h % hk or dk != d \
-            or sv[-1] != d or n < 2:
+    if h % hk or dk != d or sv[-1] != d or n < 2:
         raise Unliftable(f"attention of q {(b, s, h, d)}, k {(b, n, hk, dk)}, v {sv}: needs "
-                         "float32, whole groups of query heads and one head size")
+                         "whole groups of query heads and one head size")
     if call.attrs.window_size is not None:
         raise Unliftable("sliding-window attention (window_size): no lifting")
     frame = (b, s, hk, h // hk)
-    qref, qf = lf.input(Ext(q, (*frame, d), "float32"), "param", True, frame, frame, n, d)
-    kv = [lf.input(Ext(x, (b, hk, n, d), "float32", (("perm", KEYS_FIRST),)), "stream", True,
+    qref, qf = lf.input(_read(q, (*frame, d)), "param", True, frame, frame, n, d)
+    kv = [lf.input(_read(x, (b, hk, n, d), (("perm", KEYS_FIRST),)), "stream", True,
                    (b, 1, hk, 1), frame, n, d) for x in (k, v)]
     frags = [qf, kv[0][1], kv[1][1]]
     scale = call.attrs.scale
@@ -58,6 +61,15 @@ def attention(lf: Lifting, call, ty) -> Node:
     return Node("vec", frag, names[-1], frozenset({names[-1]}), static_shape(ty))
 
 
+def _read(arg, shape: tuple, prep: tuple = ()) -> Ext:
+    """An operand read in its own dtype: float32, or bfloat16 / float16, which the kernel
+    converts as it loads (exact) and computes in float32, as torch's attention does on
+    low-precision tensors; ``lf.input`` refuses any other dtype by name.  The output ``o``
+    is then stored in the model's dtype (a feature-vector result, rounded once)."""
+    dtype = str(arg.ty.dtype)
+    return Ext(arg, shape, dtype, prep, dtype)
+
+
 def _bias(lf: Lifting, bias, frame: tuple, n: int):
     """The bias (broadcastable to (B, H, S, S_kv)) as a stream on the kernel's rows."""
     b, s, hk, g = frame
@@ -67,7 +79,7 @@ def _bias(lf: Lifting, bias, frame: tuple, n: int):
     shape = pad_shape(own, 4, (b, hk * g, s, n))
     heads = (hk, g) if shape[1] > 1 else (1, 1)
     rows = (shape[0], shape[2], *heads)
-    ext = Ext(bias, (*rows, n), "float32", (("perm", KEYS_FIRST),))
+    ext = _read(bias, (*rows, n), (("perm", KEYS_FIRST),))
     return lf.input(ext, "stream", False, rows, frame, n)
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from algebra.dtypes import STORAGE
-
-from .frag import Unliftable
+from .frag import Unliftable, computed
 from .values import Ext, Lifting, Operand, static_shape
 
 
@@ -134,8 +132,9 @@ def read_weight(lf: Lifting, arg, view: View, where: tuple) -> Operand:
     where it is broadcast) per element of the view: a per-row parameter, a stream, or a
     stream broadcast over part of the reduced axes (a per-channel weight of a group)."""
     own, dtype = static_shape(arg.ty), str(arg.ty.dtype)
-    if prod(where) != prod(own) or not (dtype == "float32" or lf.opmath and dtype in STORAGE):
-        raise Unliftable(f"weight {own} {arg.ty.dtype} does not fit {where} float32")
+    computed(dtype)
+    if prod(where) != prod(own):
+        raise Unliftable(f"weight {own} does not fit {where}")
     steps, full = [("reshape", where)], tuple(where)
     streamed = [where[a] for a in view.reduced if where[a] != 1]
     if streamed and prod(streamed) != view.n:  # read on part of the stream: spread it

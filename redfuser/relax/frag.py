@@ -14,21 +14,44 @@ from math import prod
 
 import numpy as np
 
+from algebra.dtypes import STORAGE
+
 
 class Unliftable(Exception):
     """A Relax binding that has no spec form (the message says why)."""
 
 
 def dtype_refusal(dtype: str) -> str:
-    """Why a value of ``dtype`` (not float32) is not lifted.
+    """Why a value of ``dtype`` (not a storage dtype) is not lifted.
 
     Examples
     --------
-    >>> dtype_refusal("bfloat16")
-    'tensors of dtype bfloat16: redfuser kernels compute in float32 (a cast to it is read)'
+    >>> print(dtype_refusal("float64"))
+    tensors of dtype float64: redfuser kernels read float32, bfloat16 or float16
     """
-    return (f"tensors of dtype {dtype}: redfuser kernels compute in float32 (a cast to it "
-            "is read)")
+    *first, last = STORAGE
+    return f"tensors of dtype {dtype}: redfuser kernels read {', '.join(first)} or {last}"
+
+
+def computed(dtype: str) -> None:
+    """Accept a value of ``dtype`` computed by a kernel, or say why not.  A model's
+    bfloat16 or float16 arithmetic (llama's ``weight * hidden.to(bfloat16)`` between its
+    norm and its projection, a matmul of bfloat16 operands) is computed in float32, and a
+    cast between float dtypes inside the cascade is the identity: the kernel rounds only
+    what it stores.  That is torch.compile's convention (Inductor upcasts low-precision
+    arithmetic and does not emulate the casts between fused ops); the result is nearer the
+    float64 value than the unfused graph's and within one rounding of it at the output.
+
+    Examples
+    --------
+    >>> computed("bfloat16")
+    >>> computed("int64")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    redfuser.relax.frag.Unliftable: tensors of dtype int64: redfuser kernels read ...
+    """
+    if dtype not in STORAGE:
+        raise Unliftable(dtype_refusal(dtype))
 
 
 @dataclass(frozen=True, eq=False)

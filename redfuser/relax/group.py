@@ -71,14 +71,16 @@ def sinks(lf: Lifter) -> list:
 
 
 def narrowed(lf: Lifter, g: BindingGroup) -> None:
-    """The dtype the kernel stores the group's per-element outputs in: their own where a
-    statistics op of a low-precision model gives them (``ops._opmath``); else, where each
-    one is read only by a cast to the same bfloat16 or float16 dtype in this block
-    (transformers' ``softmax(..., dtype=float32).to(query.dtype)``), that dtype, the cast
-    folded into the kernel's stores (rounding once to nearest even, as the cast does) and
-    its value the kernel's output.  Otherwise float32."""
+    """The dtype the kernel stores the group's per-element outputs and feature vectors in:
+    their own where the model computes them in bfloat16 or float16 (``frag.computed``);
+    else, where each one is read only by a cast to the same bfloat16 or float16 dtype in
+    this block (transformers' ``softmax(..., dtype=float32).to(query.dtype)``), that dtype,
+    the cast folded into the kernel's stores (rounding once to nearest even, as the cast
+    does) and its value the kernel's output.  Otherwise (float32, or dtypes that differ)
+    float32, and a low-precision value is cast from it (``rewrite._stored``)."""
     here, read, casts, dtypes = {b.var for b in lf.block.bindings}, readers(lf), {}, set()
-    for v in (v for v, node in g.sinks if node.kind == "elem"):
+    # feature vectors (a GEMM's y, attention's o) are stored as per-element outputs are
+    for v in (v for v, node in g.sinks if node.kind in ("elem", "vec")):
         (reader, *more) = read.get(v, [None])
         if str(v.ty.dtype) != COMPUTE.name:
             dtypes.add(str(v.ty.dtype))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from algebra.dtypes import COMPUTE, STORAGE
 
 from ..tvm.graph import GenericConst, relax
-from .frag import Frag, Input, Stmt, Unliftable, dtype_refusal, fit, merge
+from .frag import Frag, Input, Stmt, Unliftable, computed, fit, merge
 from .ops import OPS, SEEDS, unlifted_reason
 from .values import Ext, Node, Operand, literal, pad_shape, static_shape
 
@@ -33,9 +33,6 @@ class Lifter:
     absorbed: set = field(default_factory=set)  # (consumer var, operand var) read as nodes
     values: dict = field(default_factory=dict)  # every bound var of the function -> value
     quiet: set = field(default_factory=set)  # not reported: chains a handler absorbed
-    # inside a statistics op on bfloat16/float16 tensors, which computes in float32 (torch's
-    # softmax and norms do): its inputs are read in their storage dtype (``ops.statistics``)
-    opmath: bool = False
     seq: int = 0
     _inputs: list = field(default_factory=list)  # (Input, name)
     _pending: list = field(default_factory=list)
@@ -77,7 +74,7 @@ class Lifter:
         """Register a kernel input; returns (spec reference, fragment holding it).  Every
         tensor a kernel reads comes through here, so this is where a cascade on tensors
         of other than a storage dtype is refused, before anything is derived or built."""
-        _float32(ext, self.opmath)
+        computed(ext.dtype)
         inp = Input(ext.source, kind, vector, tuple(rows), ext.prep, ext.storage)
         name = next((name for known, name in self._inputs
                      if known.source.same_as(inp.source) and known.prep == inp.prep
@@ -138,8 +135,13 @@ class Lifter:
         """Follow producers that keep element order (reshape, same-shape broadcast, expand,
         squeeze): the kernel reshapes its inputs anyway, so those copies are not needed;
         and a cast of a bfloat16 or float16 tensor to float32 (exact), which the kernel's
-        loads do in registers (transformers' ``hidden.to(float32)`` before a norm)."""
+        loads do in registers (transformers' ``hidden.to(float32)`` before a norm).  Not
+        from a lifted value with a reduction: a kernel's output replaces it, and what it
+        was computed from may be gone (a softmax read a GEMM cascade's reshaped result from
+        the matmul behind it, which the pass then left in Relax: two kernels, one dead)."""
         while isinstance(expr, relax.Var) and isinstance(self.values.get(expr), relax.Call):
+            if expr in self.nodes and self.nodes[expr].frag.reduces:
+                break
             call = self.values[expr]
             op = _op_name(call)
             same = op == "relax.broadcast_to" and _same_shape(call.args[0], expr)
@@ -251,16 +253,6 @@ def _depends(expr, var, parents: dict) -> bool:
         seen.add(e)
         todo.extend(parents[e])
     return False
-
-
-def _float32(ext: Ext, opmath: bool = False) -> None:
-    """Refuse an input the cascade reads as other than float32 (``Ext.dtype`` is the dtype
-    after its prep: a boolean condition cast to float32 is float32): a cascade computed in
-    bfloat16 rounds every step, and a float32 kernel would not compute what it does.  Its
-    storage may be bfloat16 or float16 where the model casts it to float32 first, or where
-    the op reading it computes in float32 itself (``opmath``)."""
-    if ext.dtype != COMPUTE.name and not (opmath and ext.dtype in STORAGE):
-        raise Unliftable(dtype_refusal(ext.dtype))
 
 
 def _widening(call) -> bool:

@@ -9,14 +9,11 @@ the shape ops have small handlers.  A reduction reads its data as rows x stream
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 from string import Formatter
-
-from algebra.dtypes import STORAGE
 
 from .attention import attention
 from .axes import VIEWS, View, axes_view, read_data, read_weight, weight_shape
-from .frag import Unliftable, dtype_refusal, fit, merge
+from .frag import Unliftable, computed, fit, merge
 from .idioms import safe_softmax
 from .products import matmul
 from .values import MAX_TERMS, Ext, Lifting, Node, Operand, literal, static_shape
@@ -157,8 +154,7 @@ def _context(lf: Lifting, args, out: tuple) -> str:
 
 def elementwise(lf: Lifting, call, ty) -> Node:
     op, out = call.op.name, static_shape(ty)
-    if str(ty.dtype) != "float32":
-        raise Unliftable(dtype_refusal(str(ty.dtype)))
+    computed(str(ty.dtype))
     template = UNARY.get(op) or BINARY[op]
     if not any(a in lf.nodes for a in call.args) and \
             any(lf.producer(a) == "relax.matmul" for a in call.args):
@@ -191,31 +187,11 @@ def _last_axis(axis, rank: int):
 
 
 def statistics(lf: Lifting, call, ty) -> Node:
-    with _opmath(lf, call, ty):
-        value, _, view = _statistics(lf, call)
+    computed(str(ty.dtype))  # in float32 on low-precision tensors, as torch's norms are
+    value, _, view = _statistics(lf, call)
     if value.kind != "elem":
         return dataclasses.replace(value, shape=static_shape(ty))
     return dataclasses.replace(value, shape=static_shape(ty), perm=view.perm)
-
-
-@contextmanager
-def _opmath(lf: Lifting, call, ty):
-    """A statistics op on bfloat16 or float16 tensors giving per-element values of that
-    dtype (a low-precision model's softmax or norm): torch computes it in float32 and
-    rounds its output once, which is what the kernel does, reading its tensors in their
-    own dtype and storing its output in it (``group.narrowed``).  A lifted operand would be
-    read unrounded, and a per-row result has no low-precision kernel output: refused."""
-    dtype = str(ty.dtype)
-    if dtype == "float32":
-        yield
-        return
-    if dtype not in STORAGE or STATS[call.op.name][1] != "elem" or call.args[0] in lf.nodes:
-        raise Unliftable(dtype_refusal(dtype))
-    lf.opmath = True
-    try:
-        yield
-    finally:
-        lf.opmath = False
 
 
 def batch_norm(lf: Lifting, call, ty) -> Node:
@@ -372,8 +348,8 @@ def reshape(lf: Lifting, call, ty) -> Node:
     if node is None or node.kind == "tuple":
         raise Unliftable("not a lifted value")
     out = static_shape(ty)
-    if call.op.name == "relax.astype" and str(ty.dtype) != str(call.args[0].ty.dtype):
-        raise Unliftable(f"a cast to {ty.dtype}")
+    if call.op.name == "relax.astype":
+        computed(str(ty.dtype))  # between float dtypes: the identity inside the kernel
     if node.perm:
         raise Unliftable("a reshape of a value held with its axes permuted")
     if call.op.name == "relax.permute_dims" and out != node.shape:

@@ -15,7 +15,7 @@ import dataclasses
 from math import prod
 
 from ..tvm.graph import relax
-from .frag import Unliftable, merge, move_rows
+from .frag import Unliftable, computed, merge, move_rows
 from .idioms import GUARD, guard_of
 from .values import Ext, Lifting, Node, pad_shape, static_shape
 
@@ -23,8 +23,9 @@ from .values import Ext, Lifting, Node, pad_shape, static_shape
 def matmul(lf: Lifting, call, ty) -> Node:
     a, b = call.args
     out, sa, sb = static_shape(ty), static_shape(a.ty), static_shape(b.ty)
-    if len(sa) < 2 or len(sb) < 2 or str(ty.dtype) != "float32":
-        raise Unliftable("not a float32 matrix product")
+    if len(sa) < 2 or len(sb) < 2:
+        raise Unliftable("not a matrix product")
+    computed(str(ty.dtype))  # low-precision operands: float32 accumulation, as torch's
     node = lf.nodes.get(a)
     if node is not None and node.kind == "elem" and node.frag.reduces:
         return _contract(lf, a, b, sb, out)

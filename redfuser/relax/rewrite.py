@@ -15,7 +15,7 @@ from math import prod
 import numpy as np
 
 from algebra import NotFusable, SpecError, derive
-from algebra.dtypes import argument_dtype, numpy_dtype
+from algebra.dtypes import COMPUTE, STORAGE, argument_dtype, numpy_dtype
 from algebra.layout import Layout
 
 from ..lowering import Geometry, backend, build_primfunc, geometry, signature
@@ -206,10 +206,14 @@ def _prepared(inp, shape: tuple, bind):
 
 def _stored(item, var, bind):
     """A kernel output as the dtype of the Relax value it becomes: a bfloat16 output comes
-    as its int16 bits (``algebra.dtypes``) and is viewed back."""
+    as its int16 bits (``algebra.dtypes``) and is viewed back; a float32 one (a per-row
+    result, which kernels keep in float32) where the model computed in a lower precision
+    is cast, rounding once as the model's last operation did."""
     want, got = str(var.ty.dtype), str(item.ty.dtype)
     if got == want:
         return item
+    if got == COMPUTE.name and want in STORAGE:
+        return bind(relax.op.astype(item, want), "rf_rounded")
     if got != argument_dtype(want):
         raise Unliftable(f"output {var.name} is {want}; the kernel's is {got}")
     return bind(relax.op.memory.view(item, dtype=want), "rf_stored")

@@ -60,7 +60,7 @@ class Ext:
 
     source: object
     shape: tuple[int, ...]
-    dtype: str  # of the value the cascade reads: float32, or it is refused
+    dtype: str  # of the value the cascade reads: a storage dtype (``frag.computed``)
     prep: tuple = ()
     storage: str = "float32"  # of ``source``: a bfloat16 one cast to float32 is read as it is
 
@@ -112,7 +112,6 @@ class Lifting(Protocol):
     values: dict  # every bound var of the function -> its value
     absorbed: set  # (consumer var, operand var): reads that die with the fused kernel
     quiet: set  # vars whose failure to lift is not reported (a chain a handler absorbed)
-    opmath: bool  # inside a statistics op computing in float32 on low-precision tensors
 
     def stmt(self, text: str, kind: str, deps, op: str, absorbed: tuple = ()) -> Stmt: ...
     def input(self, ext: Ext, kind: str, vector: bool, rows: tuple, frame, n, d=None): ...
