@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..lowering.backends import BACKENDS, backend_of_kind
 from ..report import FuseReport, GroupReport
 from ..tvm.graph import IRModule, module_pass, relax
@@ -52,6 +54,7 @@ def fuse_module(mod: IRModule, check_build: bool = True) -> tuple[IRModule, Fuse
                                       entries)
         if any(e.status == "fused" for e in entries[before:]):
             mod = _cleanup(mod, gv)
+            entries[before:] = _called(mod, gv, entries[before:])
     return mod, FuseReport(tuple(entries))
 
 
@@ -177,6 +180,16 @@ def _cleanup(mod: IRModule, gv) -> IRModule:
     except Exception:  # noqa: BLE001
         return mod
     return candidate
+
+
+def _called(mod: IRModule, gv, entries: list) -> list:
+    """The entries with a fused group whose kernel the function no longer calls (its
+    output read by nothing) reported skipped: never a kernel reported fused that does not
+    run."""
+    called = {function_name(g) for g in relax.analysis.all_global_vars(mod[gv])}
+    return [e if e.status != "fused" or e.kernel in called else dataclasses.replace(
+        e, fused=False, reason="its kernel's output is read by nothing after the pass")
+        for e in entries]
 
 
 def function_name(gv) -> str:
