@@ -37,8 +37,9 @@ def import_torch(model, args: tuple, dynamic_shapes=None) -> IRModule:
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         exported = torch.export.export(model, tuple(args), dynamic_shapes=dynamic_shapes)
         if _low_precision(model):
-            exported = exported.run_decompositions({torch.ops.aten.addmm.default: _addmm,
-                                                    torch.ops.aten.linear.default: _linear})
+            exported = exported.run_decompositions({
+                torch.ops.aten.addmm.default: _addmm, torch.ops.aten.linear.default: _linear,
+                torch.ops.aten.pow.Tensor_Scalar: _pow})
         return from_exported_program(exported)
 
 
@@ -62,6 +63,15 @@ def _linear(x, weight, bias=None):
     if bias is None:
         return x @ weight.transpose(0, 1)
     return ((x.float() @ weight.float().transpose(0, 1)) + bias.float()).to(x.dtype)
+
+
+def _pow(x, exponent):
+    """``aten.pow`` of a low-precision tensor in float32, rounded once, as torch's CPU
+    kernel computes it: TVM cannot legalize ``power`` in bfloat16 (GPT-2's GELU, x**3).
+    Other dtypes keep the op (``NotImplemented``: the float32 power this traces too)."""
+    if storage(x.dtype) in (None, COMPUTE):
+        return NotImplemented
+    return (x.float() ** exponent).to(x.dtype)
 
 
 def build_relax(mod: IRModule, pipeline, target: dict):
