@@ -19,7 +19,9 @@ The stream's gradient is a per-element output:
 ``dx[i] = sum_y dy[i] dy/dx + sum_R g_R db_R/dx``.
 
 What the forward keeps is derived: the per-row results the backward spec reads (``saved``);
-per-element forward values are recomputed from them (softmax saves m and d, not y).
+per-element forward values are recomputed from them, except a differentiated per-element
+output, read instead where that saves a transcendental or work (``algebra.backward_saved``:
+softmax's backward reads y and d, and computes no exp).
 
 Every gradient is proven: each stabiliser's adjoint must simplify to 0 (for every N), then
 the cascade is unrolled at N = 1, 2 and 3 symbolic elements, and ``sympy.diff`` of the loss
@@ -35,10 +37,10 @@ Examples
 >>> from algebra.spec import parse
 >>> b = backward(parse("m = max(x[i])\\nd = sum(exp(x[i] - m))\\ny[i] = exp(x[i] - m) / d"))
 >>> print(b.spec)
-g_d = sum(-dy[i]*exp(-m + x[i])/d**2)
-dx[i] = (d*g_d + dy[i])*exp(-m + x[i])/d
->>> b.saved, b.proven
-(('d', 'm'), True)
+g_d = sum(-dy[i]*y[i]/d)
+dx[i] = y[i]*(d*g_d + dy[i])
+>>> b.saved, b.outputs_read, b.proven
+(('d', 'y'), ('y',), True)
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from .backward_products import (
     through_product,
 )
 from .backward_proof import prove
+from .backward_saved import read_outputs
 from .backward_selections import Selection, contracted_selections, rewritten, selection
 from .backward_text import spelling, written
 from .backward_vectors import ROLES, column_text, contracted, simplified, solved_hidden, tidied
@@ -99,7 +102,7 @@ class Backward:
     spec: str
     upstream: dict[str, str]  # forward output -> its gradient's input name
     gradients: dict[str, tuple[str, str]]  # forward input -> (gradient name, orientation)
-    saved: tuple[str, ...]  # forward per-row results the backward reads
+    saved: tuple[str, ...]  # forward results the backward reads (per-row, and outputs_read)
     forward_spec: str  # the forward with every saved result an output (hidden sums named)
     stabilisers: tuple[str, ...]  # max/min results the outputs do not depend on (proven)
     refused: dict[str, str] = field(default_factory=dict)  # input -> why no gradient
@@ -111,12 +114,14 @@ class Backward:
     dots: dict[str, tuple[str, str]] = field(default_factory=dict)  # delta -> (upstream, output)
     selections: tuple[Selection, ...] = ()  # max/min/top-k differentiated at their selection
     products: tuple[str, ...] = ()  # prod results differentiated by their log-derivative
+    outputs_read: tuple[str, ...] = ()  # per-element outputs read, not recomputed
 
     @property
     def per_element(self) -> set[str]:
-        """The names the backward reads per element: the forward's streams and the
-        upstreams of its per-element outputs (not the selections' scattered inputs)."""
-        return {s.name for s in self.forward.streams} | {
+        """The names the backward reads per element: the forward's streams, the outputs
+        it reads and the upstreams of its per-element outputs (not the selections'
+        scattered inputs)."""
+        return {s.name for s in self.forward.streams} | set(self.outputs_read) | {
             g for o, g in self.upstream.items() if o in self.forward.elementwise}
 
     @property
@@ -136,7 +141,9 @@ class Backward:
         up = ", ".join(f"{g} (of {o})" for o, g in self.upstream.items())
         lines = [f"backward of: {', '.join(self.upstream)}", f"  upstream: {up}",
                  f"  saved by the forward: {', '.join(self.saved) or 'nothing'}"
-                 " (per-element values are recomputed from them)"]
+                 f" ({'other ' if self.outputs_read else ''}per-element values are recomputed"
+                 " from them)"]
+        lines += [f"  {o}: the forward's output, saved (no recompute)" for o in self.outputs_read]
         for name, (grad, how) in self.gradients.items():
             lines.append(f"  {grad}: gradient of {name}, {how}")
         lines += [f"  no gradient of {name}: {why}" for name, why in self.refused.items()]
@@ -244,22 +251,24 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
         sw.lines = [(g, tidy(e)) for g, e in sw.lines]
         streams = [(s, g, tidy(e)) for s, g, e in streams]
         columns = [(s, g, tidy(e)) for s, g, e in columns]
+    sw.lines, streams, read = read_outputs(sw.c, outputs, sw.lines, streams, sw.per_element)
     proofs = prove(rewritten(forward, selections), sw.sym, sw.lines, up, dots, stabilisers,
                    streams, params, columns, selections)
     column_spec, column_params = _column_spec(c, sw, dots, columns)
     exprs = [e for _, e in sw.lines] + [e for _, _, e in (*streams, *columns)]
     reads = {s.name for e in exprs for s in e.free_symbols}
     dots = {o: (d, delta) for o, (d, delta) in dots.items() if delta.name in reads}
-    saved = sorted((reads | set(dots)) & set(results_in_order(c)) | {
+    saved = sorted((reads | set(dots)) & set(results_in_order(c)) | set(read) | {
         s.index for s in selections} | {s.result for s in selections if s.delta})
     forward_spec = (written(forward, selections) if set(saved) - set(c.outputs)
                     else forward.text)
-    return Backward(forward, _spec_text(c, sw, up, streams), {o: s.name for o, s in up.items()},
+    return Backward(forward, _spec_text(c, sw, up, streams, read),
+                    {o: s.name for o, s in up.items()},
                     _described(streams, params, columns), tuple(saved), forward_spec,
                     tuple(stabilisers), refused, proofs, _maps(sw, streams, params),
                     column_spec, column_params,
                     {delta.name: (d.name, o) for o, (d, delta) in dots.items()},
-                    tuple(selections), products_reached(sw.c, sw.adjoint))
+                    tuple(selections), products_reached(sw.c, sw.adjoint), read)
 
 
 class _Selects(Exception):
@@ -408,8 +417,8 @@ def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
     return streams, params, columns, refused
 
 
-def _spec_text(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], streams) -> str:
-    name = spelling(c, {s.name for s in c.streams} | set(sw.selectors) | {
+def _spec_text(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], streams, read) -> str:
+    name = spelling(c, {s.name for s in c.streams} | set(sw.selectors) | set(read) | {
         up[o].name for o in up if o in c.elementwise})
     lines = [f"{g} = {spec_text(spelled(e), name, NoBackward)}" for g, e in sw.lines
              if e.has(RowSum)]  # a per-row map (no sum) is run by the caller: ``maps``

@@ -8,7 +8,8 @@ others'; a dot product is a sum over the features, so two components cover a fea
 term and the others' (a gradient is proven component by component).  A selection (max,
 top-k: ``algebra.backward_selections``) is proven at every fixed choice of the elements it
 selects, where its value is the chosen elements' and the loss is smooth.  A product
-(``algebra.backward_products``) is unrolled as the product of its factors."""
+(``algebra.backward_products``) is unrolled as the product of its factors, and a forward
+output the backward reads (``algebra.backward_saved``) as its definition."""
 
 from __future__ import annotations
 
@@ -194,6 +195,8 @@ class Unrolled:
             return sp.Integer(j)
         if s.name in self.selected:
             return self.selected[s.name][j]
+        if s.name in self.c.elementwise:  # a forward output the backward reads: its definition
+            return self.at(self.c.elementwise[s.name], j)
         if s.name in self.per_element:
             return self.element(s, j)
         if s.name in self.env:

@@ -16,9 +16,11 @@ differentiable where the engine derives and proves its backward (``FusionRule.ba
 a staged rule's, ``StagedRule.backward``, is the whole cascade's, its forward and backward
 cascades compiled in stages where they need them):
 the backward cascade is registered as an op of its own (``<name>_backward``, so that
-``torch.compile`` traces it too), the forward saves only the per-row results the backward
+``torch.compile`` traces it too), the forward saves the per-row results the backward
 reads (where one is a hidden sum, such as log_softmax's ``lse_sum``, the forward runs the
-cascade written with it named and returns it after the declared outputs), and gradients
+cascade written with it named and returns it after the declared outputs) and its outputs,
+which the backward op takes where it reads them instead of recomputing them (softmax's y:
+``algebra.backward_saved``; the autograd graph holds y anyway), and gradients
 of inputs that rows share (a LayerNorm weight of shape (N,)) are summed over the rows by
 torch's ``sum_to_size``.  Outputs other than the differentiated ones (the statistics m and
 d of softmax) are marked non-differentiable, as torch marks indices.  An op whose backward
@@ -293,7 +295,7 @@ def _derived_backward(name: str, grad: Gradient, inputs: tuple, returned: tuple,
     values = {n: next(saved) if t else next(scalars)
               for n, t in zip(inputs, ctx.tensor_inputs, strict=True)}
     outputs = dict(zip(returned, saved, strict=False))
-    values |= {n: outputs[n] for n in grad.derived.saved}
+    values |= {n: outputs[n] for n in grad.derived.saved}  # softmax: d, and its y read as is
     for o, g in zip(returned, grads, strict=True):
         if o in grad.derived.upstream:
             values[grad.derived.upstream[o]] = (torch.zeros_like(outputs[o]) if g is None

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import redfuser
 from algebra import NoBackward, derive
+from algebra.adjoint import RowSum
 from algebra.backward import REFUSALS, written
 from algebra.backward_proof import Unrolled, is_zero, prove
 from algebra.backward_selections import rewritten
@@ -118,9 +119,10 @@ def test_an_index_output_is_refused_by_name():
 
 
 def test_what_the_forward_saves_is_derived():
-    """softmax keeps m and d (y is recomputed from them); log_softmax keeps its hidden sum,
-    which the written forward names."""
-    assert derive("softmax").backward().saved == ("d", "m")
+    """softmax keeps d and its output y (read, not recomputed: the forward is unchanged);
+    log_softmax keeps its hidden sum, which the written forward names."""
+    b = derive("softmax").backward()
+    assert b.saved == ("d", "y") and b.forward_spec == b.forward.text
     b = derive("log_softmax").backward()
     assert b.saved == ("lse_sum", "m") and "lse_sum = sum(" in b.forward_spec
     x = np.random.default_rng(0).normal(size=(3, 7))
@@ -128,6 +130,61 @@ def test_what_the_forward_saves_is_derived():
         "log_softmax", {"x": x})
     for name in theirs:
         np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-12)
+
+
+def test_a_differentiated_output_is_read_where_that_saves_a_transcendental():
+    """softmax's backward reads y for exp(x - m) / d (no exp, no x: torch's dx = y * (dy -
+    sum(dy * y))), also where only part of a term matches (y and d differentiated: g_d *
+    exp(x - m) is g_d * d * y); differentiating d alone, y is recomputed."""
+    b = derive("softmax").backward()
+    assert b.outputs_read == ("y",) and b.per_element == {"x", "dy", "y"}
+    assert b.spec.splitlines() == ["g_d = sum(-dy[i]*y[i]/d)", "dx[i] = y[i]*(d*g_d + dy[i])"]
+    assert "y: the forward's output, saved (no recompute)" in str(b) and b.proven
+    both = derive("softmax").backward(outputs=("y", "d"))
+    assert both.outputs_read == ("y",) and "exp(" not in both.spec and both.proven
+    alone = derive("softmax").backward(outputs=("d",))
+    assert alone.outputs_read == () and "exp(-m + x[i])" in alone.spec and alone.proven
+
+
+@pytest.mark.parametrize("name", ["l2_normalize", "rmsnorm", "layernorm", "log_softmax"])
+def test_an_output_that_saves_no_transcendental_nor_work_is_recomputed(name):
+    """l2_normalize's y = x / r and rmsnorm's x * g / r: dx reads x anyway, so y would be
+    one more stream for one product; layernorm's and log_softmax's y appear in no line."""
+    b = derive(name).backward()
+    assert b.outputs_read == () and "y" not in b.saved and not re.search(r"\by\[i\]", b.spec)
+
+
+def test_the_proof_unrolls_a_read_output_as_its_definition():
+    """softmax's dx = y * (dy - sum(dy * y)) proves with y its closed form; without the
+    sum it does not."""
+    c = parse(LIBRARY["softmax"][0])
+    x, (m, d) = c.streams[0], (r.symbol for r in c.reductions)
+    y, dy, g = (sp.Symbol(n, real=True) for n in ("y", "dy", "g"))
+    lines = [("g", RowSum(dy * y))]
+    for form, holds in ((y * (dy - g), True), (y * dy, False)):
+        proofs = prove(c, {"x": x, "m": m, "d": d}, lines, {"y": dy}, {}, ["m"],
+                       [(x, "dx", form)], {}, [])
+        assert len(proofs) == 4 and all(ok for _, ok in proofs) is holds
+
+
+def test_a_backward_kernel_reading_outputs_matches_differences_of_the_oracle():
+    """e = exp(x - m) and y = x / d both read (no exp, no x in the backward), given the
+    forward oracle's outputs, against central differences of the oracle."""
+    spec = "m = max(x[i])\nd = sum(exp(x[i] - m))\ne[i] = exp(x[i] - m)\ny[i] = x[i] / d"
+    b = derive(spec).backward()
+    assert b.outputs_read == ("e", "y") and not re.search(r"exp\(|\bx\[i\]", b.spec)
+    rng = np.random.default_rng(4)
+    inputs = {"x": rng.normal(size=(3, 7)).astype(np.float32)}
+    forward = redfuser.reference(b.forward_spec, inputs)
+    upstream = {o: rng.normal(size=forward[o].shape) for o in b.upstream}
+    given = {s: forward[s].astype(np.float32) for s in b.saved} | {
+        g: upstream[o].astype(np.float32) for o, g in b.upstream.items()} | _selectors(
+        b, forward, upstream, 7)
+    kernel = redfuser.compile(b.spec, tune=False)
+    reads = {s.name for s in (*kernel.rule.cascade.streams, *kernel.rule.cascade.params)}
+    got = np.asarray(kernel(**{k: v for k, v in given.items() if k in reads})["dx"])
+    want = central_differences(spec, inputs, upstream, "x", STEP)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * (1 + np.abs(want).max()))
 
 
 def test_the_prover_tells_a_wrong_gradient_from_a_right_one():
