@@ -81,9 +81,10 @@ def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  #
 
     Storage dtypes (``algebra.dtypes``): inputs may be float32, bfloat16 or float16 (numpy,
     ml_dtypes or torch arrays), each its own; every kernel computes in float32 (the rule
-    and its proof do not change).  Per-element outputs are stored as the streams are
-    (rounded to nearest even) unless ``out_dtype`` says otherwise; per-row results stay
-    float32.
+    and its proof do not change).  Per-element outputs and feature-vector results
+    (attention's ``o``, a GEMM cascade's ``y``: ``signature.stored_results``) are stored as
+    the streams are (rounded to nearest even) unless ``out_dtype`` says otherwise, and
+    ``out=`` arrays must have that dtype; per-row statistics stay float32, indices int64.
 
     ``dynamic=True`` (CPU and CUDA): one build per row rank, D and broadcast pattern serves
     every row count and N (the plan says "dynamic shapes"; no split, row blocks, GEMM

@@ -353,9 +353,9 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
             if name not in results:
                 continue
             buf, width = results[name]
-            with self.slots(width) as slot:
-                T.buffer_store(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
-                               [r, slot])
+            with self.slots(width) as slot:  # in buf's dtype (``OutputSteps.store_result``)
+                self.store_result(buf, self.expr(expr, self.state_lookup(st, 0, r, slot)),
+                                  [r, slot], self.slot_lanes(width))
 
 
 def folded(rule: FusionRule) -> tuple[list, dict[str, str]]:

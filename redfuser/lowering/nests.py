@@ -46,8 +46,9 @@ def epilogue_values(rule: FusionRule, tmp: dict) -> dict:
 
 def store_results(em: Emitter, r, results: dict):
     """Every per-row result of row r from the values the stages left (an epilogue, or the
-    reduction's own result)."""
+    reduction's own result), each in its buffer's dtype (``OutputSteps.store_result``)."""
     for name, (buf, width) in results.items():
         expr = em.rule.cascade.epilogues.get(name, em.rule.cascade.results[name])
         with em.slots(width) as slot:
-            T.buffer_store(buf, em.expr(expr, em.base_lookup(r, None, slot)), [r, slot])
+            em.store_result(buf, em.expr(expr, em.base_lookup(r, None, slot)), [r, slot],
+                            em.slot_lanes(width))

@@ -1,6 +1,7 @@
-"""Emitter steps for per-element outputs: the second pass that writes them, and the values
-the statistics pass stashed for them (``algebra.stash``: finished with one multiply);
-mixed into ``emitter.Emitter``."""
+"""Emitter steps for the outputs: the second pass that writes the per-element ones, the
+values the statistics pass stashed for them (``algebra.stash``: finished with one
+multiply), and the store of a per-row result into its buffer's dtype (a feature-vector
+result rounded once, as a per-element output is); mixed into ``emitter.Emitter``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from algebra.stash import tile_anchor
 from ..tvm.ir import T, tirx
 from .geometry import is_streamed
 from .registers import States, working
+from .signature import F32, I64
 from .texpr import stored
 
 STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
@@ -20,6 +22,23 @@ STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("
 
 
 class OutputSteps:
+    # Per-row results --------------------------------------------------------------------
+    def store_result(self, buf, value, index: list, lanes: int = 1):
+        """``buf[index] = value`` for a float32 (int64: an index) per-row result: stored as
+        ``buf`` holds it, a feature-vector result in ``geo.out_dtype`` rounded once to
+        nearest even (``signature.stored_results``), with the target's instruction for a
+        whole vector where ``lanes`` > 1 is the width of the loop vectorized around it."""
+        if buf.dtype in (F32, I64):
+            T.buffer_store(buf, value, index)
+            return
+        narrow = self.narrowing(self.geo.out_dtype, lanes) if lanes > 1 else None
+        T.buffer_store(buf, stored(value, buf.dtype, narrow), index)
+
+    def slot_lanes(self, width: int) -> int:
+        """The width of the vector loop ``slots(width)`` opens (1: none)."""
+        vector = self.slot_simd
+        return vector if width > 1 and vector > 1 and width % vector == 0 else 1
+
     # Stashed per-element outputs (``algebra.stash``) ----------------------------------
     def stash_into(self, outs: dict, end: int, rows: dict | None = None):
         """The statistics pass writes each stashable output's basis value into ``outs[name]``

@@ -3,8 +3,10 @@
 Inputs come first, sorted by name, each viewed as (R_in, L, F) (``Geometry.inputs``);
 then the outputs in spec order: per-row results (R, width) and per-element outputs
 (R, N, width).  A result's width is k for a top-k, D on the feature axis, else 1; an
-arg-reduction's result is int64.  Every consumer (the PrimFunc builder, ``Kernel``'s
-output allocation, the TensorIR and Relax rewrites) reads the widths from here.
+arg-reduction's result is int64.  Per-element outputs and feature-vector results
+(``stored_results``: attention's ``o``) are stored as ``geo.out_dtype``; per-row statistics
+stay float32.  Every consumer (the PrimFunc builder, ``Kernel``'s output allocation, the
+TensorIR and Relax rewrites) reads the widths and dtypes from here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 from algebra.cascade import carries_feature_axis
 from algebra.laws import LAWS
+from algebra.layout import vector_results
 from algebra.rule import FusionRule
 from algebra.state import StateKind
 
@@ -69,6 +72,12 @@ def signature(rule: FusionRule, geo: Geometry, keep: frozenset | None = None) ->
     [('p', (4, 8), 'float32'), ('e', (4, 8), 'int64')]
     >>> [a.name for a in signature(rule, geo, keep=frozenset({"e"})).internal]
     ['m', 'd', 'p']
+    >>> import dataclasses
+    >>> rule = redfuser.derive("attention")
+    >>> geo = shape_geometry(rule, {"q": (8, 64), "k": (8, 256, 64), "v": (8, 256, 64)})
+    >>> geo = dataclasses.replace(geo, out_dtype="bfloat16")
+    >>> [(a.name, a.dtype) for a in signature(rule, geo).outputs]
+    [('m', 'float32'), ('d', 'float32'), ('o', 'bfloat16')]
     """
     inputs = tuple(Arg(name, (g.count, g.length, g.width), g.dtype) for name, g in
                    sorted(geo.inputs.items()))
@@ -78,9 +87,12 @@ def signature(rule: FusionRule, geo: Geometry, keep: frozenset | None = None) ->
             wide = carries_feature_axis(rule.cascade.elementwise[name], set(geo.vec))
             width = geo.d if wide else 1
             outputs.append(Arg(name, (geo.r, geo.n, width), geo.out_dtype, elementwise=True))
-        else:
-            arg = Arg(name, (geo.r, result_width(rule, geo, name)), result_dtype(rule, name))
-            (outputs if keep is None or name in keep else internal).append(arg)
+        elif keep is None or name in keep:
+            width = result_width(rule, geo, name)
+            outputs.append(Arg(name, (geo.r, width), output_dtype(rule, geo, name)))
+        else:  # no caller reads it: kept as the kernel computes it
+            internal.append(Arg(name, (geo.r, result_width(rule, geo, name)),
+                                result_dtype(rule, name)))
     return Signature(inputs, tuple(outputs), tuple(internal))
 
 
@@ -169,9 +181,54 @@ def result_width(rule: FusionRule, geo: Geometry, name: str) -> int:
 
 
 def result_dtype(rule: FusionRule, name: str) -> str:
-    """int64 for the result of an arg-reduction (argmax, argtopk, ...), else float32."""
+    """The dtype the kernel computes and keeps a per-row result in (its own scratch, the
+    per-row buffers of the unfused and staged passes): int64 for the result of an
+    arg-reduction (argmax, argtopk, ...), else float32."""
     red = next((r for r in rule.cascade.reductions if r.name == name), None)
     return I64 if red is not None and StateKind(LAWS[red.op].returns).is_index else F32
+
+
+def output_dtype(rule: FusionRule, geo: Geometry, name: str) -> str:
+    """The dtype output ``name``, a per-row result, is stored in: ``geo.out_dtype`` for a
+    feature-vector result (``stored_results``), as per-element outputs are; else
+    ``result_dtype`` (statistics float32, indices int64).
+
+    Examples
+    --------
+    >>> import dataclasses, redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> rule = redfuser.derive("rmsnorm_gemm")
+    >>> geo = shape_geometry(rule, {"x": (4, 256), "w": (256, 32)})
+    >>> geo = dataclasses.replace(geo, out_dtype="float16")
+    >>> output_dtype(rule, geo, "y"), output_dtype(rule, geo, "r")
+    ('float16', 'float32')
+    """
+    return geo.out_dtype if name in stored_results(rule) else result_dtype(rule, name)
+
+
+def stored_results(rule: FusionRule) -> frozenset[str]:
+    """The per-row results stored as the per-element outputs are (``geo.out_dtype``): those
+    that carry the feature axis (attention's ``o``, a GEMM cascade's ``y``; by the spec,
+    whatever D is) and that no other statement of the cascade reads.  What a reduction,
+    an epilogue or a per-element output is computed from is a statistic of the cascade (a
+    later stage or pass reads it), and stays float32, as ``m``, ``d`` and ``lse`` do; a
+    top-k's values (width k) are no feature vector.
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> sorted(stored_results(redfuser.derive("attention")))
+    ['o']
+    >>> sorted(stored_results(redfuser.derive("mu = sum(x[i, :]) / N\\n"
+    ...                                       "var = sum((x[i, :] - mu)**2) / N")))
+    ['var']
+    """
+    c = rule.cascade
+    vector = vector_results(c, c.vector_inputs) - set(c.vector_inputs) - set(c.elementwise)
+    read = {s.name for r in c.reductions for s in r.body.free_symbols}
+    read |= {s.name for n, e in c.epilogues.items() for s in e.free_symbols if s.name != n}
+    read |= {s.name for e in c.elementwise.values() for s in e.free_symbols}
+    return frozenset(vector - read)
 
 
 def rule_k(rule: FusionRule, name: str) -> int:

@@ -260,7 +260,9 @@ class SettleSteps:
                 # module with a symbolic N of 0 gets "no index", not int64(-inf))
                 value = tirx.const(INDEX_SENTINEL, I64) if buf.dtype == I64 else \
                     self.expr(expr, look)
-                T.buffer_store(buf, value, [r, slot])
+                # rounded portably: TVM's vectorizer left a vector instruction's operand
+                # scalar here (values read from cells), which LLVM refuses
+                self.store_result(buf, value, [r, slot])
 
     def settle(self, st: States, comp, r):
         """Move lane 0 of ``comp`` from its working anchors to the true ones with IEEE

@@ -5,10 +5,12 @@ input values, not the code under test) rounded to the output's dtype.  Targets, 
 issue: a per-element output in bfloat16 or float16 is within one unit in the last place
 of that rounding on at least 99.9% of its elements and within two everywhere (the
 accumulation is float32, so only the final rounding may differ: a float32 value a few
-float32 ulps from a rounding midpoint can land on the other side).  Per-row results stay
-float32 and are held to the float32 tolerance (``KERNEL_TOL``).  Generated cascades may
-be ill-conditioned: there the float32 sensitivity of the cascade (``sensitivity``) is
-added, as the float32 property tests add it.
+float32 ulps from a rounding midpoint can land on the other side; the measure is
+``tests.support.precision``'s).  Feature-vector results take the outputs' dtype too
+(``test_low_precision_vectors.py``); per-row statistics stay float32 and are held to the
+float32 tolerance (``KERNEL_TOL``).  Generated cascades may be ill-conditioned: there the
+float32 sensitivity of the cascade (``sensitivity``) is added, as the float32 property
+tests add it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from algebra.dtypes import STORAGE, storage
 from redfuser.lowering import shape_geometry
 from redfuser.lowering.cpu.plan import LANES, TILE_ELEMENTS, stash_applies, stash_rows
 from redfuser.lowering.cpu.vector import host_narrowing
+from redfuser.lowering.signature import stored_results
 from redfuser.tune.db import entry_key
 from redfuser.tvm.cuda import nvcc_compile
 from tests.support import (
@@ -41,36 +44,12 @@ from tests.support import (
     rule_for,
     sensitivity,
 )
+from tests.support.precision import IDS, LOW, assert_one_ulp, ulps
+from tests.support.precision import oracle as _oracle
 
-LOW = (ml_dtypes.bfloat16, np.float16)
-IDS = ("bfloat16", "float16")
 # one-pass library cascades with a per-element output, and their inputs' kinds
 LIBRARY = {"softmax": {}, "log_softmax": {}, "layernorm": {"eps": 1e-5},
            "rmsnorm": {"eps": 1e-5}, "l2_normalize": {}}
-
-
-def ulps(got: np.ndarray, ref: np.ndarray, dtype) -> np.ndarray:
-    """|got - ref rounded to dtype| in units of the last place of that rounding; 0 where
-    both are the same infinity or both NaN.  The unit is at least float32's smallest
-    normal: bfloat16's subnormals are float32's, which the float32 compute flushes (the
-    polynomial exp returns 0 below -87.3), so there only float32's own floor holds."""
-    want = np.asarray(ref, np.float64).astype(dtype)
-    got64, want64 = np.asarray(got).astype(np.float64), want.astype(np.float64)
-    same = (got64 == want64) | (np.isnan(got64) & np.isnan(want64))
-    with np.errstate(invalid="ignore"):
-        spacing = np.maximum(np.abs(np.spacing(want).astype(np.float64)),
-                             np.finfo(np.float32).tiny)
-        out = np.abs(got64 - want64) / np.where(np.isfinite(spacing), spacing, 1.0)
-    return np.where(same, 0.0, np.where(np.isnan(out), np.inf, out))
-
-
-def assert_one_ulp(got, ref, dtype, what: str):
-    u = ulps(got, ref, dtype).ravel()
-    assert np.shape(got) == np.shape(ref), what
-    if u.size == 0:  # N = 0: nothing to hold
-        return
-    assert np.mean(u > 1) <= 1e-3 and u.max() <= 2, \
-        f"{what}: {np.mean(u > 1):.2%} beyond 1 ulp, worst {u.max()} ulps"
 
 
 def _library_inputs(name: str, dtype, rows: int, n: int, seed: int) -> dict:
@@ -85,10 +64,6 @@ def _library_inputs(name: str, dtype, rows: int, n: int, seed: int) -> dict:
         if s.name not in inputs:  # a weight every row shares, in the stream's dtype
             inputs[s.name] = rng.uniform(0.5, 1.5, n).astype(dtype)
     return inputs
-
-
-def _oracle(spec: str, inputs: dict) -> dict:
-    return redfuser.reference(spec, {k: np.asarray(v, np.float64) for k, v in inputs.items()})
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=IDS)
@@ -150,7 +125,7 @@ def test_generated_cascades_in_each_dtype_match_the_oracle(dtype, specs, seed, n
         if want.dtype.kind in "iu":
             continue  # indices: the float32 property tests hold them to ties
         stable = np.isfinite(slack[name])
-        if name in rule.cascade.elementwise:
+        if name in rule.cascade.elementwise or name in stored_results(rule):
             assert got.dtype == np.dtype(dtype)
             err = np.abs(got.astype(np.float64) - want.astype(dtype).astype(np.float64))
             spacing = np.abs(np.spacing(want.astype(dtype)).astype(np.float64))

@@ -15,7 +15,7 @@ import tvm
 from redfuser.relax import build, fuse_module
 from redfuser.tvm.graph import relax, relax_vm
 from redfuser.tvm.runtime import empty_aligned
-from tests.api.test_low_precision import assert_one_ulp
+from tests.support.precision import assert_one_ulp
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 ALIGN = 64  # what code TVM compiled itself reads (``graph.relax_tensor``)

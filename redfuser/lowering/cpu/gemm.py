@@ -242,16 +242,17 @@ def row_results(em: Emitter, geo: Geometry, found, sums, st, r, results: dict) -
         look = em.base_lookup(r, None, 0, scalars)
         hoisted = {**scalars, **{s: T.bind(em.expr(e, look)) for e, s in parts.items()}}
 
-        def store(slot, buf=buf, expr=expr, hoisted=hoisted):
+        def store(slot, lanes=1, buf=buf, expr=expr, hoisted=hoisted):
             wide = {n: sums[n][r, slot] for n in names}
             if st is not None:
                 wide.update({n: st.get(n, 0, slot) for n in st.bufs if st.widths[n] > 1})
-            T.buffer_store(buf, em.expr(expr, em.base_lookup(r, None, slot,
-                                                            {**hoisted, **wide})), [r, slot])
+            em.store_result(buf, em.expr(expr, em.base_lookup(r, None, slot,
+                                                             {**hoisted, **wide})), [r, slot],
+                            lanes)  # in buf's dtype: y in the inputs' (rounded once)
 
         full = width // LANES * LANES
         with T.serial(0, full // LANES) as c:
             with T.vectorized(0, LANES) as lane:
-                store(c * LANES + lane)
+                store(c * LANES + lane, LANES)
         with T.serial(full, width) as slot:
             store(slot)

@@ -182,6 +182,6 @@ def _results(em: Emitter, em_rest: Emitter, geo: Geometry, found, sums, work, re
                         wide.update({n: st.get(n, 0, slot) for n in st.bufs
                                      if st.widths[n] > 1})
                     look = em.base_lookup(r, None, slot, {**scalars, **wide})
-                    T.buffer_store(buf, em.expr(em.rule.running[name], look), [r, slot])
+                    em.store_result(buf, em.expr(em.rule.running[name], look), [r, slot])
                 block_sync()
             em.elementwise(r, elementwise, t, threads)
