@@ -285,6 +285,8 @@ def to_user(cascade: Cascade, layout: Layout, values: dict[str, np.ndarray]) -> 
             v = v.reshape((1, 1))
         shape = cascade.shapes.get(name)
         v = np.broadcast_to(v, np.broadcast_shapes(layout.rows + v.shape[-2:], v.shape))
+        if name in cascade.elementwise:  # dx[i] = t reads no stream: N elements too
+            v = np.broadcast_to(v, np.broadcast_shapes(v.shape, (layout.n, 1)))
         if shape is not None and shape.k:
             v = v[..., :, 0]
         elif name in cascade.elementwise:

@@ -146,8 +146,4 @@ def reference(spec, inputs: dict) -> dict[str, np.ndarray]:
         for stmt in ast.parse(cascade.text).body:
             evaluator.statement(stmt)
     results = {name: np.asarray(env[name]) for name in cascade.outputs}
-    for name in set(cascade.elementwise) & set(results):  # dx[i] = t: N elements too
-        shape = np.broadcast_shapes(results[name].shape, env[INDEX].shape)
-        if shape != results[name].shape:
-            results[name] = np.broadcast_to(results[name], shape).copy()
     return to_user(cascade, lay, results)

@@ -73,7 +73,8 @@ class Geometry:
     d: int
     inputs: dict[str, InputGeom]
     vec: frozenset[str]  # inputs, state variables and results that carry the feature axis
-    out_dtype: str = COMPUTE.name  # the per-element outputs' storage dtype (per-row ones: float32)
+    # the storage dtype of per-element outputs and feature-vector results (statistics: float32)
+    out_dtype: str = COMPUTE.name
 
     @property
     def r(self) -> int:

@@ -63,7 +63,7 @@ def _key_lines(key: str) -> list[tuple[str, str]]:
         return [("spec", str(fields["spec"])),
                 ("shape", f"{shapes}  (rows {'x'.join(map(str, rows))}, N {n}, D {d}), "
                           f"{fields['dtype']}" + ("" if out_dtype == fields["dtype"] else
-                                                  f", per-element outputs {out_dtype}")),
+                                                  f", outputs {out_dtype}")),
                 ("target", f"{fields['target']} on {fields['machine']}"
                            f"{', fast-math' if fields['fast_math'] else ''}")]
     except (ValueError, TypeError):  # not JSON, or not entry_key's layout
