@@ -3,7 +3,7 @@
 A per-row result that carries the feature axis (attention's ``o``, ``rmsnorm_gemm``'s ``y``)
 is stored as the per-element outputs are: in ``geo.out_dtype`` (the streams' dtype by
 torch's promotion, or ``out_dtype``), rounded once to nearest even.  It is held to the
-per-element outputs' target (``test_low_precision.assert_one_ulp``: within one unit in the
+per-element outputs' target (``tests.support.precision.assert_one_ulp``: within one unit in the
 last place of the float64 oracle rounded to its dtype on at least 99.9% of its elements,
 within two everywhere), through every CPU nest that writes one (rolling, row blocks, split,
 unfused, the GEMM and score-product micro-kernels, row-resident stages, dynamic shapes).
