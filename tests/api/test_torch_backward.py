@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import redfuser.torch as rt
+from tests.support.gradients import TOL, assert_gradients_match, op_gradients
 
 EPS = 1e-5
-TOL = 2e-5
 
 
 def _layernorm(x, g, b, eps):  # written out: g and b may be each row's own
@@ -86,28 +86,7 @@ def _torch_gradients(name: str, inputs: dict, upstream: torch.Tensor) -> dict:
 def _op_gradients(name: str, inputs: dict, upstream: torch.Tensor, compiled: bool) -> dict:
     op = rt.op(name, scalars=tuple(k for k, v in inputs.items() if isinstance(v, float)),
                tune=False)
-    leaves = {k: v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v
-              for k, v in inputs.items()}
-    index = op.outputs.index(CASES[name][0])
-
-    def model(*args):
-        return op(*args)[index]
-
-    run = torch.compile(model, fullgraph=True) if compiled else model
-    run(*(leaves[k] for k in op.inputs)).backward(upstream)
-    return {k: v.grad for k, v in leaves.items() if isinstance(v, torch.Tensor)}
-
-
-def _assert_gradients_match(got: dict, want: dict, name: str):
-    assert set(got) == set(want)
-    for k, w in want.items():
-        g = got[k]
-        assert g is not None, f"{name}: no gradient of {k}"
-        torch.testing.assert_close(torch.isnan(g), torch.isnan(w), msg=f"{name} d{k}: NaN")
-        finite = torch.isfinite(w)
-        scale = float(w[finite].abs().max()) if finite.any() else 1.0
-        torch.testing.assert_close(g.double()[finite], w[finite], rtol=TOL,
-                                   atol=TOL * (1 + scale), msg=f"{name} d{k}")
+    return op_gradients(op, CASES[name][0], inputs, upstream, compiled)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -117,7 +96,7 @@ def test_eager_gradients_match_torch_autograd_of_the_float64_reference(name, row
     out = CASES[name][1](*(v.double() if isinstance(v, torch.Tensor) else v
                            for v in inputs.values()))
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    _assert_gradients_match(_op_gradients(name, inputs, upstream, compiled=False),
+    assert_gradients_match(_op_gradients(name, inputs, upstream, compiled=False),
                             _torch_gradients(name, inputs, upstream), name)
 
 
@@ -128,7 +107,7 @@ def test_gradients_under_torch_compile_fullgraph(name):
     out = CASES[name][1](*(v.double() if isinstance(v, torch.Tensor) else v
                            for v in inputs.values()))
     upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
-    _assert_gradients_match(_op_gradients(name, inputs, upstream, compiled=True),
+    assert_gradients_match(_op_gradients(name, inputs, upstream, compiled=True),
                             _torch_gradients(name, inputs, upstream), name)
 
 
@@ -186,7 +165,7 @@ def test_attention_gradients_match_torch_autograd(name, length, compiled):
     ref = {n: inputs[n].double().requires_grad_() for n in "qkv"}
     _attention_reference(ref["q"], ref["k"], ref["v"], scale,
                          name == "causal_attention").backward(upstream.double())
-    _assert_gradients_match({n: leaves[n].grad for n in "qkv"},
+    assert_gradients_match({n: leaves[n].grad for n in "qkv"},
                             {n: ref[n].grad for n in "qkv"}, name)
 
 
@@ -230,7 +209,7 @@ def test_linear_cross_entropy_gradients_match_torch_autograd(statistics):
     loss, logits = _lce_reference(ref["h"], ref["w"], label, ls, zc)
     loss.backward(upstream.double())
     torch.testing.assert_close(out["loss"].double(), loss, rtol=1e-5, atol=1e-5)
-    _assert_gradients_match({n: leaves[n].grad for n in "hw"}, {n: ref[n].grad for n in "hw"},
+    assert_gradients_match({n: leaves[n].grad for n in "hw"}, {n: ref[n].grad for n in "hw"},
                             "linear_cross_entropy")
     if statistics:
         assert (leaves["h"].grad[2] == 0).all()
@@ -356,7 +335,7 @@ def test_gradients_of_inputs_the_rows_share_are_summed_over_them_deterministical
               "b": torch.rand(24, generator=gen) + 0.5, "eps": EPS}
     upstream = torch.randn(2, 3, 24, generator=gen)
     runs = [_op_gradients("layernorm", inputs, upstream, compiled=False) for _ in range(2)]
-    _assert_gradients_match(runs[0], _torch_gradients("layernorm", inputs, upstream),
+    assert_gradients_match(runs[0], _torch_gradients("layernorm", inputs, upstream),
                             "layernorm")
     assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
     assert runs[0]["g"].shape == g_shape
@@ -383,7 +362,7 @@ def test_products_of_positive_factors_match_torch_autograd(name):
     op(*leaves.values())[0].backward(upstream)
     ref = {n: inputs[n].double().requires_grad_() for n in op.inputs}
     reference(*ref.values()).backward(upstream.double())
-    _assert_gradients_match({n: v.grad for n, v in leaves.items()},
+    assert_gradients_match({n: v.grad for n, v in leaves.items()},
                             {n: v.grad for n, v in ref.items()}, name)
     args = tuple(v.detach().double().requires_grad_() for v in ref.values())
     assert torch.autograd.gradcheck(lambda *a: op(*a)[0], args)
@@ -414,4 +393,4 @@ def test_a_stream_gradient_that_reads_no_stream_is_broadcast_along_the_row(spec,
     upstream = torch.randn(4, 2, generator=torch.Generator().manual_seed(7))
     op(leaf)[op.outputs.index("r")].backward(upstream)
     reference(ref).backward(upstream.double())
-    _assert_gradients_match({"x": leaf.grad}, {"x": ref.grad}, spec)
+    assert_gradients_match({"x": leaf.grad}, {"x": ref.grad}, spec)

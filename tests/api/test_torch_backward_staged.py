@@ -19,8 +19,7 @@ import torch
 
 import redfuser.torch as rt
 from algebra import derive
-
-TOL = 2e-5
+from tests.support.gradients import assert_gradients_match, op_gradients
 
 
 def _mad(x):
@@ -92,28 +91,7 @@ def _op_gradients(name: str, inputs: dict, upstream: torch.Tensor, compiled=Fals
     scalars = tuple(k for k, v in inputs.items() if isinstance(v, float))
     schema = "" if len(inputs) == 1 else "_float_t" if scalars else "_tensor_t"
     op = rt.op(name, name=name + schema, scalars=scalars, tune=False)
-    leaves = {k: v.clone().requires_grad_() if isinstance(v, torch.Tensor) else v
-              for k, v in inputs.items()}
-    index = op.outputs.index(CASES[name][0])
-
-    def model(*args):
-        return op(*args)[index]
-
-    run = torch.compile(model, fullgraph=True) if compiled else model
-    run(*(leaves[k] for k in op.inputs)).backward(upstream)
-    return {k: v.grad for k, v in leaves.items() if isinstance(v, torch.Tensor)}
-
-
-def _assert_gradients_match(got: dict, want: dict, name: str):
-    assert set(got) == set(want)
-    for k, w in want.items():
-        g = got[k]
-        assert g is not None, f"{name}: no gradient of {k}"
-        torch.testing.assert_close(torch.isnan(g), torch.isnan(w), msg=f"{name} d{k}: NaN")
-        finite = torch.isfinite(w)
-        scale = float(w[finite].abs().max()) if finite.any() else 1.0
-        torch.testing.assert_close(g.double()[finite], w[finite], rtol=TOL,
-                                   atol=TOL * (1 + scale), msg=f"{name} d{k}")
+    return op_gradients(op, CASES[name][0], inputs, upstream, compiled)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -122,7 +100,7 @@ def test_staged_gradients_match_torch_autograd_of_the_float64_reference(name, n)
     inputs = _inputs(name, n)
     upstream = torch.randn(4, generator=torch.Generator().manual_seed(1))
     got = _op_gradients(name, inputs, upstream)
-    _assert_gradients_match(got, _torch_gradients(name, inputs, upstream), name)
+    assert_gradients_match(got, _torch_gradients(name, inputs, upstream), name)
     if name == "mad" and n > 1:  # at the kinks: abs'(0) = 0, so the mean's term alone
         assert got["x"][2].abs().max() == 0 and torch.isfinite(got["x"]).all()
 
@@ -134,7 +112,7 @@ def test_a_learned_threshold_gets_its_gradient_summed_over_the_rows():
     upstream = torch.randn(4, generator=torch.Generator().manual_seed(3))
     for t in (torch.tensor(0.75), torch.tensor([0.5, 1.0, 1.0, 2.0])):
         inputs = {"x": x, "t": t}
-        _assert_gradients_match(_op_gradients("relu_sum", inputs, upstream),
+        assert_gradients_match(_op_gradients("relu_sum", inputs, upstream),
                                 _torch_gradients("relu_sum", inputs, upstream), "relu_sum")
 
 
@@ -155,7 +133,7 @@ def test_staged_gradients_under_torch_compile_fullgraph():
     """relu_sum: a staged forward that also returns the argmax its backward reads."""
     inputs = _inputs("relu_sum", 9)
     upstream = torch.randn(4, generator=torch.Generator().manual_seed(5))
-    _assert_gradients_match(_op_gradients("relu_sum", inputs, upstream, compiled=True),
+    assert_gradients_match(_op_gradients("relu_sum", inputs, upstream, compiled=True),
                             _torch_gradients("relu_sum", inputs, upstream), "relu_sum")
 
 
@@ -198,5 +176,5 @@ def test_a_users_staged_rule_is_an_op_that_differentiates():
     ref = {k: v.double().requires_grad_() for k, v in inputs.items()}
     torch.relu(ref["x"] - ref["x"].mean(-1, keepdim=True) + ref["p"][:, None]).sum(-1) \
         .backward(upstream.double())
-    _assert_gradients_match({k: v.grad for k, v in leaves.items()},
+    assert_gradients_match({k: v.grad for k, v in leaves.items()},
                             {k: v.grad for k, v in ref.items()}, "relu_above_mean")
