@@ -122,7 +122,9 @@ class Gradient:
         cascade's kernel (all of its outputs in its one pass), the ``needed`` maps, and the
         other orientation's kernel where a gradient needs it."""
         for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
-            values[delta] = (values[up] * values[o]).sum(-1)
+            # a per-row statistic: summed in float32 at least, as the kernels' sums are
+            acc = torch.promote_types(values[o].dtype, torch.float32)
+            values[delta] = (values[up].to(acc) * values[o].to(acc)).sum(-1)
         length = _length(self.derived, values)
         stream = values[self.derived.forward.streams[0].name]
         values[N.name] = torch.tensor(float(length), dtype=stream.dtype)  # maps read N
