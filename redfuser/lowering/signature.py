@@ -87,12 +87,12 @@ def signature(rule: FusionRule, geo: Geometry, keep: frozenset | None = None) ->
             wide = carries_feature_axis(rule.cascade.elementwise[name], set(geo.vec))
             width = geo.d if wide else 1
             outputs.append(Arg(name, (geo.r, geo.n, width), geo.out_dtype, elementwise=True))
-        elif keep is None or name in keep:
+        else:
             width = result_width(rule, geo, name)
-            outputs.append(Arg(name, (geo.r, width), output_dtype(rule, geo, name)))
-        else:  # no caller reads it: kept as the kernel computes it
-            internal.append(Arg(name, (geo.r, result_width(rule, geo, name)),
-                                result_dtype(rule, name)))
+            if keep is None or name in keep:
+                outputs.append(Arg(name, (geo.r, width), output_dtype(rule, geo, name)))
+            else:  # no caller reads it: kept as the kernel computes it
+                internal.append(Arg(name, (geo.r, width), result_dtype(rule, name)))
     return Signature(inputs, tuple(outputs), tuple(internal))
 
 
