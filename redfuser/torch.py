@@ -16,11 +16,11 @@ differentiable where the engine derives and proves its backward (``FusionRule.ba
 a staged rule's, ``StagedRule.backward``, is the whole cascade's, its forward and backward
 cascades compiled in stages where they need them):
 the backward cascade is registered as an op of its own (``<name>_backward``, so that
-``torch.compile`` traces it too), the forward saves the per-row results the backward
-reads (where one is a hidden sum, such as log_softmax's ``lse_sum``, the forward runs the
-cascade written with it named and returns it after the declared outputs) and its outputs,
-which the backward op takes where it reads them instead of recomputing them (softmax's y:
-``algebra.backward_saved``; the autograd graph holds y anyway), and gradients
+``torch.compile`` traces it too), the forward saves what the backward reads and nothing
+else (``Gradient.reads``): the per-row results (where one is a hidden sum, such as
+log_softmax's ``lse_sum``, the forward runs the cascade written with it named and returns
+it after the declared outputs), the outputs it reads instead of recomputing them and the
+inputs it reads (softmax saves y and d, not x: ``algebra.backward_saved``), and gradients
 of inputs that rows share (a LayerNorm weight of shape (N,)) are summed over the rows by
 torch's ``sum_to_size``.  Outputs other than the differentiated ones (the statistics m and
 d of softmax) are marked non-differentiable, as torch marks indices.  An op whose backward
@@ -264,37 +264,53 @@ def _backward_op(spec: str, name: str, scalars, options) -> CascadeOp:
 def _register_autograd(torch_op, name: str, inputs: tuple[str, ...],
                        returned: tuple[str, ...], grad: Gradient | str | None) -> None:
     if isinstance(grad, Gradient):
-        setup = partial(_save_for_backward, grad.derived.upstream, returned)
+        setup = partial(_save_for_backward, grad, inputs, returned)
         torch_op.register_autograd(partial(_derived_backward, name, grad, inputs, returned),
                                    setup_context=setup)
     else:
         why = grad or "registered with differentiable=False"
         torch_op.register_autograd(partial(_no_backward, f"{name}: {why}"),
-                                   setup_context=partial(_save_for_backward, None, returned))
+                                   setup_context=partial(_save_for_backward, None, inputs,
+                                                         returned))
 
 
-def _save_for_backward(upstream: dict | None, returned: tuple, ctx, inputs: tuple,
-                       output: tuple) -> None:
-    """Save the tensor inputs and the outputs; with a derived backward, the outputs it does
-    not differentiate (``upstream``: those it does) carry no gradient."""
+def _save_for_backward(grad: Gradient | None, names: tuple, returned: tuple, ctx,
+                       inputs: tuple, output: tuple) -> None:
+    """Save what the derived backward reads (``Gradient.reads``: softmax's y and d, not
+    its x) and the shape, dtype and device of every other tensor; the outputs it does not
+    differentiate carry no gradient.  Without a derived backward, the tensor inputs (the
+    refusing backward's gradients take their shapes)."""
     ctx.tensor_inputs = tuple(isinstance(v, torch.Tensor) for v in inputs)
     ctx.scalars = tuple(v for v in inputs if not isinstance(v, torch.Tensor))
-    output = _as_tuple(output)
-    ctx.save_for_backward(*(v for v in inputs if isinstance(v, torch.Tensor)), *output)
-    if upstream is not None:
-        ctx.mark_non_differentiable(*(t for n, t in zip(returned, output, strict=True)
-                                      if n not in upstream))
+    tensors = {n: v for n, v in zip((*names, *returned), (*inputs, *_as_tuple(output)),
+                                    strict=True) if isinstance(v, torch.Tensor)}
+    keep = set(names) if grad is None else grad.reads | set(grad.derived.refused)
+    ctx.kept = tuple(n for n in tensors if n in keep)
+    ctx.meta = {n: (t.shape, t.dtype, t.device) for n, t in tensors.items() if n not in keep}
+    ctx.save_for_backward(*(tensors[n] for n in ctx.kept))
+    if grad is not None:
+        ctx.mark_non_differentiable(*(t for n, t in zip(returned, _as_tuple(output),
+                                                        strict=True)
+                                      if n not in grad.derived.upstream))
+
+
+def _unsaved(shape, dtype, device) -> torch.Tensor:
+    """A tensor the backward does not read, for its shape, dtype and device alone: NaN
+    (an index: -1) broadcast without memory, so a read that ``Gradient.reads`` missed shows."""
+    fill = float("nan") if dtype.is_floating_point else -1
+    return torch.full((), fill, dtype=dtype, device=device).expand(shape)
 
 
 def _derived_backward(name: str, grad: Gradient, inputs: tuple, returned: tuple, ctx,
                       *grads) -> tuple:
     """Run ``<name>_backward`` on the saved values and the upstream gradients; each input
     gets its gradient summed to its own shape (rows that share it add up)."""
-    saved = iter(ctx.saved_tensors)
+    tensors = dict(zip(ctx.kept, ctx.saved_tensors, strict=True)) | {
+        n: _unsaved(*meta) for n, meta in ctx.meta.items()}
     scalars = iter(ctx.scalars)
-    values = {n: next(saved) if t else next(scalars)
+    values = {n: tensors[n] if t else next(scalars)
               for n, t in zip(inputs, ctx.tensor_inputs, strict=True)}
-    outputs = dict(zip(returned, saved, strict=False))
+    outputs = {n: tensors[n] for n in returned}
     values |= {n: outputs[n] for n in grad.derived.saved}  # softmax: d, and its y read as is
     for o, g in zip(returned, grads, strict=True):
         if o in grad.derived.upstream:
@@ -330,7 +346,7 @@ def _no_backward(why: str, ctx, *grads) -> tuple:
     only when ``backward()`` does.  Outputs without a graph would let a training step
     silently skip this op's inputs, hence a graph at all.
     """
-    saved = ctx.saved_tensors[:sum(ctx.tensor_inputs)]
+    saved = ctx.saved_tensors  # the tensor inputs
     grads_in = iter(_refuse_backward(why, list(saved)))
     return tuple(next(grads_in) if tensor else None for tensor in ctx.tensor_inputs)
 

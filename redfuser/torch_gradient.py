@@ -117,6 +117,18 @@ class Gradient:
                  -2 if a.name in vectors else -1) for a in args))
         return out
 
+    @property
+    def reads(self) -> frozenset[str]:
+        """The names of the backward's ops, maps, deltas and selections read: the forward's
+        inputs and outputs among them are all it has to save (softmax: y and d, not x)."""
+        ops = (self.op, self.columns, *((self.shared.sums, self.shared.rows) if self.shared
+                                        else ()))
+        names = {n for o in ops if o is not None for n in o.inputs}
+        names |= {a for _, args in self.maps.values() for a, _ in args}
+        names |= {o for _, o in self.derived.dots.values()}
+        return frozenset(names | {n for s in self.derived.selections
+                                  for n in (s.index, s.result)})
+
     def run(self, values: dict, needed: set[str]) -> dict:
         """Gradient name -> tensor, from the backward's inputs by name: the backward
         cascade's kernel (all of its outputs in its one pass), the ``needed`` maps, and the

@@ -36,3 +36,28 @@ def test_a_low_precision_softmax_trains_from_its_low_precision_y(dtype):
     assert x.grad.dtype == dtype
     ulp = torch.finfo(dtype).eps
     assert (x.grad.double() - wide.grad).abs().max() <= ULPS * ulp * wide.grad.abs().max()
+
+
+def _packed(op, *args) -> list[torch.Tensor]:
+    """The tensors the autograd graph saves for ``op(*args)``'s backward."""
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t,
+                                                  lambda t: t):
+        outputs = op(*args)
+    return packed, outputs
+
+
+def test_the_forward_saves_only_what_the_backward_reads():
+    """softmax saves d and y (its backward's reads), not x: a model that drops x after the
+    softmax does not keep it alive for the backward; layernorm saves x, its statistics and
+    g, not b (whose gradient is dy summed) nor y."""
+    x = torch.randn(4, 64, requires_grad=True)
+    packed, (_, d, y) = _packed(rt.op("softmax", tune=False), x)
+    assert {t.data_ptr() for t in packed} == {d.data_ptr(), y.data_ptr()}
+    g, b = torch.ones(64, requires_grad=True), torch.zeros(64, requires_grad=True)
+    packed, (mean, var, y) = _packed(rt.op("layernorm", scalars=("eps",), tune=False),
+                                     x, 1e-5, g, b)
+    assert {t.data_ptr() for t in packed} == {x.data_ptr(), mean.data_ptr(),
+                                              var.data_ptr(), g.data_ptr()}
+    y.sum().backward()  # b's gradient from shapes alone: dy summed over the rows
+    assert torch.equal(b.grad, torch.full((64,), 4.0))
