@@ -19,7 +19,7 @@ import sympy as sp
 
 from .adjoint import RowSum, diff, results_in_order
 from .cascade import POSITION, Cascade, N, Reduction
-from .functions import Dot, Where
+from .functions import Dot, Relu, Where
 from .laws import LAWS
 
 PROOF_LENGTHS = (1, 2, 3)  # unrolled element counts the gradients are proven at
@@ -35,6 +35,7 @@ def is_zero(e: sp.Expr, domain: sp.Expr = sp.S.Zero) -> bool:
     first: as they are, 1 - tanh(u)**2 and cosh(u)**-2 never cancel, and trying cost a
     softcapped loss's proof 1.1 of 5.8 s), else sympy's simplify, then again with
     sign(u) = u / |u| (true for u != 0; at u = 0 neither |u| nor sqrt(u**2) has one)."""
+    e, domain = _canonical(e), _canonical(domain)
     conditions = sorted({w.args[0] for w in (e + domain).atoms(Where)},
                         key=sp.default_sort_key)
     if conditions:  # a select is its branch wherever its condition is fixed
@@ -57,17 +58,55 @@ def _cancels(e: sp.Expr) -> bool:
     return sp.expand(sp.numer(sp.together(e))) == 0
 
 
+# a comparison as ``u < 0`` or ``u <= 0``: one condition has one spelling whichever way its
+# source wrote it (a nested kink's ``x - v > 0`` and ``v < x``), so a case fixes both
+_AS_BELOW_ZERO = {sp.Lt: (sp.Lt, 1), sp.Le: (sp.Le, 1), sp.Gt: (sp.Lt, -1),
+                  sp.Ge: (sp.Le, -1)}
+
+
+def _canonical(e: sp.Expr) -> sp.Expr:
+    """``e`` with each relu written as its select (``where(u > 0, u, 0)``: a relu inside a
+    later kink's condition is then split like any select) and each select's comparison
+    spelled ``u < 0`` or ``u <= 0``."""
+    def spelled(w: Where) -> Where:
+        kind, sign = _AS_BELOW_ZERO[type(w.args[0])]
+        c = w.args[0]
+        return Where(kind(sign * (c.lhs - c.rhs), 0), *w.args[1:])
+    e = e.replace(Relu, lambda u: Where(sp.Gt(u, 0), u, 0))
+    return e.replace(lambda w: isinstance(w, Where) and type(w.args[0]) in _AS_BELOW_ZERO,
+                     spelled)
+
+
 def _fixed(conditions: list, holds: bool) -> dict:
     """The first condition taken as ``holds``, and every other one that this decides: an
     unrolled causal mask's ``j <= pos`` for j = 0, 1, 2 are not independent (0 <= pos false
-    makes 1 <= pos false), and a case no input reaches proves nothing."""
+    makes 1 <= pos false), nor are a mean's ``x_0/2 - x_1/2 < 0`` and ``x_1/2 - x_0/2 < 0``;
+    a case no input reaches proves nothing."""
     first, fixed = conditions[0], {conditions[0]: holds}
+    u = first.lhs if isinstance(first, (sp.Lt, sp.Le)) else None
+    if u is None:
+        return fixed
+    where = _region(first, u)
+    where = where if holds else sp.S.Reals - where
     for c in conditions[1:]:
-        if type(c) is type(first) and isinstance(c, (sp.Le, sp.Lt)):
-            shift = (c.lhs - c.rhs) - (first.lhs - first.rhs)  # c is first's u + shift vs 0
-            if shift.is_number and (shift <= 0 if holds else shift >= 0):
-                fixed[c] = holds
+        region = _region(c, u) if isinstance(c, (sp.Lt, sp.Le)) else None
+        if region is not None and where.is_subset(region):
+            fixed[c] = True
+        elif region is not None and where.intersect(region) is sp.S.EmptySet:
+            fixed[c] = False
     return fixed
+
+
+def _region(c: sp.Rel, u: sp.Expr) -> sp.Interval | None:
+    """The values of ``u`` where ``c`` (``v < 0`` or ``v <= 0``) holds, if v is ``u`` or
+    ``-u`` plus a number; else None."""
+    is_open = isinstance(c, sp.Lt)
+    for sign in (1, -1):
+        shift = c.lhs - sign * u
+        if shift.is_number:
+            return (sp.Interval(-sp.oo, -shift, right_open=is_open) if sign == 1
+                    else sp.Interval(shift, sp.oo, left_open=is_open))
+    return None
 
 
 def _case(e: sp.Expr, fixed: dict) -> sp.Expr:

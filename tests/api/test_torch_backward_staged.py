@@ -178,3 +178,19 @@ def test_a_users_staged_rule_is_an_op_that_differentiates():
         .backward(upstream.double())
     assert_gradients_match({k: v.grad for k, v in leaves.items()},
                             {k: v.grad for k, v in ref.items()}, "relu_above_mean")
+
+
+@pytest.mark.parametrize("n", [7, 1])
+def test_a_user_cascade_whose_kinks_nest_trains(n):
+    """w = sum(relu(x - v)) where v = sum(relu(x - mean)) itself (three passes): its proven
+    backward gives torch's gradients, relu'(0) = 0 at a mean element (row 1, n odd)."""
+    spec = "mu = sum(x[i]) / N\nv = sum(relu(x[i] - mu))\nw = sum(relu(x[i] - v))"
+    op = rt.op(derive(spec, passes="auto"), name="nested_kinks", tune=False)
+    x = torch.randn(4, n, generator=torch.Generator().manual_seed(n)) * 2
+    x[1] = torch.arange(n, dtype=torch.float32) - (n - 1) / 2
+    upstream = torch.randn(4, generator=torch.Generator().manual_seed(2))
+    wide = x.double().requires_grad_()
+    v = torch.relu(wide - wide.mean(-1, keepdim=True)).sum(-1, keepdim=True)
+    torch.relu(wide - v).sum(-1).backward(upstream.double())
+    assert_gradients_match(op_gradients(op, "w", {"x": x}, upstream), {"x": wide.grad},
+                           "nested_kinks")
