@@ -47,11 +47,13 @@ import numpy as np
 import torch
 
 from algebra import FusionRule, NoBackward, derive, reference
+from algebra.backward_logits import through_logits
 from algebra.backward_shared import scalar_gradients, shared_sums, without
 from algebra.stages import StagedRule
 
 from .kernel import Kernel
 from .torch_gradient import Gradient, Shared
+from .torch_logits import LogitsBackward, logits_backward
 from .torch_shapes import float_dtype, output_specs
 
 NAMESPACE = "redfuser"
@@ -239,7 +241,18 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
     columns = op(derived.columns, f"{name}_backward_columns", differentiable=False,
                  **options) if derived.columns else None
     shared = None if kernel is None else _shared(derived, name, scalars, options)
-    return Gradient(derived, kernel, Gradient.maps_of(derived, maps), columns, shared)
+    return Gradient(derived, kernel, Gradient.maps_of(derived, maps), columns, shared,
+                    _logits(derived, name, options))
+
+
+def _logits(derived, name: str, options: dict) -> LogitsBackward | None:
+    """``<name>_backward_logits`` where the loss reads its inputs only through the logits
+    (``algebra.backward_logits``: three GEMMs where the kernels recompute them twice)."""
+    of = through_logits(derived)
+    if of is None:
+        return None
+    grads = (derived.gradients[of.row][0], derived.gradients[of.shared][0])
+    return logits_backward(of, name, grads, NAMESPACE, **options)
 
 
 def _shared(derived, name: str, scalars, options) -> Shared | None:

@@ -31,6 +31,16 @@ class CascadeOp(Protocol):
     def __call__(self, *args) -> tuple: ...
 
 
+class LogitsRun(Protocol):
+    """What a backward runs of ``redfuser.torch_logits.LogitsBackward``."""
+
+    inputs: tuple[str, ...]
+
+    def applies(self, values: dict, needed: set[str]) -> bool: ...
+
+    def run(self, values: dict, needed: set[str]) -> dict: ...
+
+
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """dot over the feature axis; a per-row vector (stream axis 1) against a stream is a
     matrix product (rmsnorm_gemm's dot(dy, w[i, :]) = dy @ w.T), never a rows x N x D
@@ -100,6 +110,7 @@ class Gradient:
     maps: dict = dataclasses.field(default_factory=dict)
     columns: CascadeOp | None = None  # gradients summed over the rows (``torch_columns``)
     shared: Shared | None = None  # gradients of inputs every row shares, summed over them
+    logits: LogitsRun | None = None  # dh and dw through the logits (``torch_logits``)
 
     @staticmethod
     def maps_of(derived: Backward, maps: dict) -> dict:
@@ -123,7 +134,7 @@ class Gradient:
         inputs and outputs among them are all it has to save (softmax: y and d, not x)."""
         ops = (self.op, self.columns, *((self.shared.sums, self.shared.rows) if self.shared
                                         else ()))
-        names = {n for o in ops if o is not None for n in o.inputs}
+        names = {n for o in (*ops, self.logits) if o is not None for n in o.inputs}
         names |= {a for _, args in self.maps.values() for a, _ in args}
         names |= {o for _, o in self.derived.dots.values()}
         return frozenset(names | {n for s in self.derived.selections
@@ -132,7 +143,10 @@ class Gradient:
     def run(self, values: dict, needed: set[str]) -> dict:
         """Gradient name -> tensor, from the backward's inputs by name: the backward
         cascade's kernel (all of its outputs in its one pass), the ``needed`` maps, and the
-        other orientation's kernel where a gradient needs it."""
+        other orientation's kernel where a gradient needs it; dh and dw through the
+        logits where they are all that is needed."""
+        if self.logits is not None and self.logits.applies(values, needed):
+            return self.logits.run(values, needed)
         for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
             # a per-row statistic: summed in float32 at least, as the kernels' sums are
             acc = torch.promote_types(values[o].dtype, torch.float32)
