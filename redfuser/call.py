@@ -23,7 +23,7 @@ from numbers import Number
 
 import numpy as np
 
-from algebra.dtypes import numpy_dtype, storage
+from algebra.dtypes import array_dtype, numpy_dtype
 from algebra.layout import Layout, bits_view, vector_results
 from algebra.rule import FusionRule
 from algebra.stages import StagedLowering
@@ -33,8 +33,6 @@ from .lowering.signature import call_shapes, output_shape
 from .runtime import Built
 from .tvm.ir import ALIGNMENT
 from .tvm.runtime import from_dlpack, host_arg
-
-F32 = np.dtype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -61,14 +59,16 @@ class Allocated:
 @dataclass(frozen=True)
 class CallPlan:
     """One input signature's call: the compiled function and every argument's shapes.
-    ``direct``: every array input can be handed over as it is (float32, C-contiguous);
-    otherwise each call converts through ``algebra.layout`` (still without recompiling)."""
+    ``direct``: every array input can be handed over as it is (a dtype the kernel declares
+    as it is, C-contiguous); otherwise each call converts through ``algebra.layout`` (still
+    without recompiling)."""
 
     geo: Geometry
     built: Built
     func: object
-    # kernel argument order: (name, the kernel's view, whether the caller's arrays have it)
-    inputs: tuple[tuple[str, tuple[int, ...], bool], ...]
+    # kernel argument order: (name, the kernel's view, whether the caller's arrays have it,
+    # the dtype a number given for it is filled in)
+    inputs: tuple[tuple[str, tuple[int, ...], bool, np.dtype], ...]
     outputs: tuple[Output, ...]
     direct: bool
     to_caller: object  # numpy array -> the caller's tensor kind, zero-copy (None: numpy)
@@ -122,9 +122,10 @@ def _in_place(rule: FusionRule) -> frozenset[tuple[str, str]]:
 
 
 def _input_views(sig, shapes: list, key: tuple) -> tuple:
-    """(name, kernel view, whether the keyed caller's shape is it already) per input."""
+    """(name, kernel view, whether the keyed caller's shape is it already, its dtype) per
+    input."""
     given = {name: k[1] for name, k in key}
-    return tuple((a.name, shape, tuple(given.get(a.name, ())) == shape)
+    return tuple((a.name, shape, tuple(given.get(a.name, ())) == shape, numpy_dtype(a.dtype))
                  for a, shape in zip(sig.inputs, shapes, strict=False))
 
 
@@ -135,10 +136,10 @@ def _allocated(o: Output) -> Allocated:
 
 
 def _as_is(dtype) -> bool:
-    """Can an input of ``dtype`` go to the kernel as the caller's memory is: a storage dtype
-    the kernel declares as it is (bfloat16 goes over as its bits: ``layout.host_view``,
-    ``host_arg``)."""
-    kind = storage(dtype)
+    """Can an input of ``dtype`` go to the kernel as the caller's memory is: a dtype the
+    kernel declares as it is (float64 too; bfloat16 goes over as its bits:
+    ``layout.host_view``, ``host_arg``)."""
+    kind = array_dtype(dtype)
     return kind is not None and kind.bits_as is None
 
 
@@ -152,7 +153,8 @@ def user_shape(rule: FusionRule, layout: Layout, arg, vector: set) -> tuple:
 
 def input_arrays(plan: CallPlan, inputs: dict, layout: Layout | None) -> list:
     """The kernel's inputs: the caller's memory reshaped (no copy) when ``direct``, else the
-    views ``algebra.layout`` made (converted to float32 there, storage dtypes kept). The FFI
+    views ``algebra.layout`` made (numbers converted to the compute dtype there, arrays
+    kept in theirs); a number the key let through is filled in its input's dtype. The FFI
     takes numpy arrays and torch tensors as they are (DLPack in C); TVM never checks the
     alignment a kernel was compiled for, so a tensor goes over as it is only where its
     address is known to be aligned, and through ``redfuser.tvm.runtime.from_dlpack`` (the
@@ -160,14 +162,14 @@ def input_arrays(plan: CallPlan, inputs: dict, layout: Layout | None) -> list:
     already of the kernel's view (the key says so) is handed over without a reshape (0.15
     us; torch's: 2 us)."""
     out = []
-    for name, shape, as_is in plan.inputs:
+    for name, shape, as_is, dtype in plan.inputs:
         v = inputs[name] if layout is None else layout.arrays[name]
         if type(v) is np.ndarray and v.flags.owndata and v.size:
             # numpy's own memory is aligned (``output_arrays``)
             v = v if as_is and layout is None else v.reshape(shape)
             out.append(host_arg(v) if v.dtype.kind == "V" else v)
         elif isinstance(v, Number):
-            out.append(np.full(shape, v, F32))
+            out.append(np.full(shape, v, dtype))
         elif layout is None and plan.address is not None and plan.address(v) % ALIGNMENT == 0:
             out.append(v if as_is else v.reshape(shape))  # a plain CPU tensor (the key), aligned
         else:

@@ -4,7 +4,7 @@ Calling convention (the algebra engine's): any number of row axes broadcasting l
 numpy (attention's K and V of shape (H, 1, N, D) are read once per head, never
 copied per query), streams (*rows, N[, D]), parameters scalars or (*rows[, D]);
 outputs (*rows[, D or k]) and per-element outputs (*rows, N[, D]).  Inputs are
-passed to TVM without a copy when they are float32 and contiguous (numpy arrays or
+passed to TVM without a copy when they are contiguous (numpy arrays or
 any DLPack tensor such as torch's), and outputs are views of the buffers the kernel
 wrote, of the inputs' kind (``call.py``); ``out=`` takes preallocated ones.  Kernels
 are specialised per input signature: the first call with new shapes compiles (tens of
@@ -24,13 +24,13 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import OrderedDict
-from numbers import Number
+from numbers import Number, Real
 
 import numpy as np
 
 from algebra import FusionRule, StagedRule, derive
 from algebra.cascade import LENGTH
-from algebra.dtypes import COMPUTE, STORAGE, STORED, storage
+from algebra.dtypes import ARRAYS, COMPUTES, array_dtype, compute_of
 from algebra.layout import resolve
 
 from .call import CallPlan, call_plan, in_kind, input_arrays, output_arrays
@@ -79,12 +79,16 @@ def compile(rule_or_spec: FusionRule | StagedRule | str, target: str = "cpu",  #
     ``splits`` or ``threads`` also bypasses it.  A corrupt database is ignored with a
     warning.
 
-    Storage dtypes (``algebra.dtypes``): inputs may be float32, bfloat16 or float16 (numpy,
-    ml_dtypes or torch arrays), each its own; every kernel computes in float32 (the rule
-    and its proof do not change).  Per-element outputs and feature-vector results
+    Dtypes (``algebra.dtypes``): inputs may be float32, bfloat16, float16 or float64 (numpy,
+    ml_dtypes or torch arrays), each its own; a kernel computes in float64 where an input
+    is float64, else in float32, unless ``compute_dtype`` ("float32" or "float64") says
+    otherwise (the rule and its proof do not change; a float64 input of a float32 kernel
+    is rounded as it is loaded).  Per-element outputs and feature-vector results
     (attention's ``o``, a GEMM cascade's ``y``: ``signature.stored_results``) are stored as
     the streams are (rounded to nearest even) unless ``out_dtype`` says otherwise, and
-    ``out=`` arrays must have that dtype; per-row statistics stay float32, indices int64.
+    ``out=`` arrays must have that dtype; per-row statistics are stored in the compute
+    dtype, indices in int64.  A float64 kernel runs the generic nests (the GEMM
+    micro-kernel and score tiles are float32's) on the CPU only.
 
     ``dynamic=True`` (CPU and CUDA): one build per row rank, D and broadcast pattern serves
     every row count and N (the plan says "dynamic shapes"; no split, row blocks, GEMM
@@ -127,10 +131,24 @@ def _out_dtype(out_dtype) -> str | None:
     """The per-element outputs' storage dtype a caller asked for (None: the streams')."""
     if out_dtype is None:
         return None
-    kind = storage(out_dtype)
+    kind = array_dtype(out_dtype)
     if kind is None:
-        raise ValueError(f"out_dtype must be one of {', '.join(STORAGE)} (or None: the "
+        raise ValueError(f"out_dtype must be one of {', '.join(ARRAYS)} (or None: the "
                          f"streams' dtype), not {out_dtype!r}")
+    return kind.name
+
+
+def _compute_dtype(compute_dtype, backend_) -> str | None:
+    """The compute dtype a caller asked for (None: float64 where an input is float64, else
+    float32), refused by name where it is no compute dtype or the target builds none such."""
+    if compute_dtype is None:
+        return None
+    kind = array_dtype(compute_dtype)
+    if kind is None or kind.name not in COMPUTES:
+        raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTES)} (or None: "
+                         f"float64 where an input is float64, else float32), not "
+                         f"{compute_dtype!r}")
+    backend_.check_compute(kind.name)
     return kind.name
 
 
@@ -177,9 +195,10 @@ class Kernel:
     def __init__(self, rule: FusionRule, target: str = "cpu", variant: str | None = None,
                  splits: int | None = None, fast_math: bool = True, threads: int | None = None,
                  tune: bool | str | None = None, plan: Plan | None = None,
-                 dynamic: bool = False, outputs=None, out_dtype=None):
+                 dynamic: bool = False, outputs=None, out_dtype=None, compute_dtype=None):
         self.backend = backend(target)
         self.out_dtype = _out_dtype(out_dtype)
+        self.compute_dtype = _compute_dtype(compute_dtype, self.backend)  # None: the inputs'
         _check_options(self.backend, variant, splits, fast_math, threads, tune, plan)
         self.keep = _kept_results(rule, outputs)  # None: every output
         if not isinstance(dynamic, bool):
@@ -198,19 +217,31 @@ class Kernel:
 
     # Step 1. Check the inputs ---------------------------------------------------------
     def _layout(self, inputs: dict):
+        """The inputs checked and resolved: arrays kept in their dtype, numbers converted
+        to the compute dtype (a float64 temperature stays float64 in a float64 kernel)."""
+        kinds = []
         for name, value in inputs.items():
             if name == LENGTH or isinstance(value, Number) or not hasattr(value, "dtype"):
                 continue  # N is a count, checked as one by the layout
-            if storage(value.dtype) is None:
-                raise TypeError(f"input '{name}' has dtype {value.dtype}; this kernel stores "
-                                f"{', '.join(STORAGE)} and computes in float32")
-        layout = resolve(self.rule.cascade, inputs, dtype=COMPUTE.numpy, keep=STORED)
+            kind = array_dtype(value.dtype)
+            if kind is None:
+                raise TypeError(f"input '{name}' has dtype {value.dtype}; kernels read "
+                                f"{', '.join(ARRAYS)} (float64 computes in float64)")
+            kinds.append(kind)
+        wide = COMPUTES[self.compute_dtype or compute_of(kinds).name].numpy
+        # a number is a value, not an array of its own dtype (Python's float is float64)
+        values = {k: np.asarray(v, wide) if k != LENGTH and isinstance(v, Real) and
+                  not isinstance(v, bool) else v for k, v in inputs.items()}
+        layout = resolve(self.rule.cascade, values, dtype=wide, keep=frozenset(ARRAYS))
         _check_feature_axis(layout, inputs)
         return layout
 
+    def _geometry(self, layout) -> Geometry:
+        return geometry(self.rule, layout, self.out_dtype, self.compute_dtype)
+
     def geometry(self, **inputs) -> Geometry:
         """The shapes of a call on ``inputs`` (checked as a call checks them)."""
-        return geometry(self.rule, self._layout(inputs), self.out_dtype)
+        return self._geometry(self._layout(inputs))
 
     # Step 2. Compile for this geometry (cached) ---------------------------------------
     def _compiled(self, geo: Geometry, plan: Plan | None = None) -> Built:
@@ -293,7 +324,7 @@ class Kernel:
     def _new_call(self, key: tuple, inputs: dict) -> CallPlan:
         """The call plan of a new signature; no kernel is built for one with no rows."""
         layout = self._layout(inputs)
-        geo = geometry(self.rule, layout, self.out_dtype)
+        geo = self._geometry(layout)
         built = None if 0 in layout.rows else self._compiled(geo)
         plan = call_plan(self.rule, layout, geo, built, key, inputs, self.keep)
         self._calls[key] = plan
@@ -326,7 +357,7 @@ class Kernel:
         """Median milliseconds of the kernel alone on ``inputs`` (inputs and outputs already on
         the device; TVM's time evaluator synchronises)."""
         layout = self._layout(inputs)
-        geo = geometry(self.rule, layout, self.out_dtype)
+        geo = self._geometry(layout)
         built = self._compiled(geo)
         args = layout_tensors(self.rule, layout, geo, built.device())
         outs = allocate_outputs(self.rule, geo, self.keep)

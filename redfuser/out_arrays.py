@@ -149,7 +149,7 @@ def overlaps(a, b) -> bool:
 
 
 def same_memory(a, b) -> bool:
-    """Are ``a`` and ``b`` (float32, as the call checked) views of exactly the same elements:
+    """Are ``a`` and ``b`` (of one dtype, as the call checked) views of exactly the same elements:
     the same bytes, the same shape, both C-contiguous?"""
     ha, hb = host_array(a), host_array(b)
     return (ha is not None and hb is not None and ha.shape == hb.shape

@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
+from algebra.dtypes import COMPUTE, COMPUTES
+
 from ..tvm.target import cpu_target, cuda_target
 from .cpu import plan as cpu_plan
 from .cpu import resident as cpu_resident
@@ -54,17 +56,29 @@ class Backend:
     gpu: cuda_plan.Gpu | None = None
     # further TVM kinds whose functions ``fuse`` rewrites with this backend (as C source)
     also_kinds: tuple[str, ...] = ()
+    # the compute dtypes its kernels build in (``Geometry.compute``), and why not others
+    computes: tuple[str, ...] = (COMPUTE.name,)
+    computes_why: str = ""
+
+    def check_compute(self, compute: str) -> None:
+        """Refuse a kernel computing in a dtype this target does not build, by name."""
+        if compute not in self.computes:
+            raise ValueError(f"target '{self.name}' computes {' or '.join(self.computes)} "
+                             f"({self.computes_why}); this kernel computes {compute}: use "
+                             "compute_dtype='float32', or redfuser.reference for float64")
 
 
 BACKENDS: dict[str, Backend] = {
     "cpu": Backend("cpu", "llvm", cpu_target, cpu_plan.choose, cpu_plan.CpuPlan,
                    cpu_variants.VARIANTS, True, cpu_resident.resident_fit, cpu_plan.dynamic_plan,
                    cpu_space.params, cpu_space.plan_fits, cpu_space.machine_id,
-                   also_kinds=("c",)),
+                   also_kinds=("c",), computes=tuple(COMPUTES)),
     "cuda": Backend("cuda", "cuda", partial(cuda_target, cuda_plan.GPU.arch), cuda_plan.choose,
                     cuda_plan.CudaPlan, cuda_variants.VARIANTS, False, cuda_plan.resident_fit,
                     cuda_plan.dynamic_plan, cuda_space.params, cuda_space.plan_fits,
-                    cuda_space.machine_id, cuda_plan.GPU),
+                    cuda_space.machine_id, cuda_plan.GPU,
+                    computes_why="its shared-memory states, warp merges and polynomial exp are "
+                                 "float32's, and a GPU's float64 rate is a fraction of that"),
 }
 
 

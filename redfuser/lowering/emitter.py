@@ -40,7 +40,7 @@ from .masks import MaskSteps
 from .outputs import OutputSteps
 from .plan import Plan
 from .registers import Const0, States, working_anchors
-from .signature import F32, I64
+from .signature import I64
 from .steps import SelectSteps, SettleSteps, all_of, opaque
 from .texpr import const, loaded, to_tir
 
@@ -56,8 +56,8 @@ def _mul0(a, b):
 class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
     """Emits the statements of one kernel into the active IRBuilder frame.
 
-    ``simd``: the target's float32 vector width (1 where threads, not vectors, carry the
-    parallelism); feature-axis loops are vectorized that wide when no lane loop is
+    ``simd``: the target's vector width in the compute dtype (1 where threads, not vectors,
+    carry the parallelism); feature-axis loops are vectorized that wide when no lane loop is
     vectorized around them (a vector loop cannot nest).  ``scratch``: the storage scope of
     the kernel's own registers and caches on this target.  ``rounded``: the target's way to
     round a value on its own (no FMA contraction into what reads it); each score
@@ -136,7 +136,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
                 g = self.geo.inputs[name]
                 at = slot if g.width > 1 else 0
                 pos = i if is_streamed(g.length) else 0
-                return loaded(self.bufs[name], [self.row_of(name, r), pos, at])
+                return loaded(self.bufs[name], [self.row_of(name, r), pos, at], self.geo.compute)
             if name in self.rowvals:
                 value = self.rowvals[name]
                 if isinstance(value, sp.Expr):  # an epilogue: computed where it is read
@@ -145,10 +145,10 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
                 return buf[r, slot if width > 1 else 0]
             if name == LENGTH:
                 if not self.geo.static:  # a shape variable
-                    return tirx.Cast(F32, self.geo.n)
+                    return tirx.Cast(self.geo.compute, self.geo.n)
                 return const(self.geo.n) if self.geo.n else opaque(0.0)
             if name == INDEX:
-                return tirx.Cast(F32, i)
+                return tirx.Cast(self.geo.compute, i)
             raise KeyError(f"no value for `{sym}` while lowering")
 
         return look
@@ -157,7 +157,8 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         if self.assumed:  # conditions known to hold on the block being emitted
             e = e.xreplace(self.assumed)
         with statement_lets(T.bind):
-            return to_tir(e, look, F32, self.plan.fast_math, self.per_row, self.exp)
+            return to_tir(e, look, self.geo.compute, self.plan.fast_math, self.per_row,
+                          self.exp)
 
     def states(self, lanes: int) -> States:
         """Registers for ``lanes`` lanes, in this target's scratch scope."""
@@ -178,7 +179,7 @@ class Emitter(AnchorSteps, SelectSteps, SettleSteps, MaskSteps, OutputSteps):
         of D dependent adds would bound attention by the add latency (4 cycles per feature)."""
         d, vector = self.geo.d, self.slot_simd
         width = vector if vector > 1 and d % vector == 0 else 1
-        acc = T.alloc_buffer((width,), F32, scope=self.scratch)
+        acc = T.alloc_buffer((width,), self.geo.compute, scope=self.scratch)
         with (T.vectorized(0, width) if width > 1 else Const0()) as lane:
             T.buffer_store(acc, const(0), [lane])
         with T.serial(0, d // width) as c:

@@ -6,13 +6,16 @@ bit reinterpretation, so LLVM emits plain vector code with no libm calls.  Each 
 float32 ``PrimExpr`` (or a Python number) and returns one; intermediates are bound with
 expression-level ``tirx.Let``.  Polynomials are Cephes' single-precision ones (S. Moshier);
 the errors quoted were measured against float64 numpy on an FMA target (``cpu_target()``)
-by tests/lowering/test_fastmath.py.
+by tests/lowering/test_fastmath.py.  A float64 kernel uses TVM's own ``exp`` (libm, exact
+to float64; ``texpr.to_tir``).  The tests on the bits (``isnan``, ``isfinite``, ...) take
+either compute dtype (``FLOAT_BITS``).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -76,12 +79,50 @@ def let(value, body, name: str):
     return tirx.Let(var, value, body(var))
 
 
+@dataclass(frozen=True)
+class FloatBits:
+    """The bit layout of one IEEE float dtype, for tests on the bits (``isnan``)."""
+
+    bits: str  # the integer dtype of its width
+    inf: int  # the bits of +inf: exponent all ones, fraction zero
+    magnitude: int  # every bit but the sign
+
+    def of(self, value: int):
+        return tirx.const(value, self.bits)
+
+
+FLOAT_BITS = {
+    "float32": FloatBits("int32", 0x7F800000, 0x7FFFFFFF),
+    "float64": FloatBits("int64", 0x7FF0000000000000, 0x7FFFFFFFFFFFFFFF),
+}
+
+
+def float_bits(dtype: str) -> FloatBits:
+    """The ``FloatBits`` of a float dtype's name (a clear error for any other).
+
+    Examples
+    --------
+    >>> float_bits("float64").bits
+    'int64'
+    """
+    if str(dtype) not in FLOAT_BITS:
+        raise TypeError(f"bit tests take {' or '.join(FLOAT_BITS)} values, not {dtype}")
+    return FLOAT_BITS[str(dtype)]
+
+
+def _bits(x) -> tuple[FloatBits, object]:
+    """(the layout of ``x``'s dtype, its bits as an integer)."""
+    layout = float_bits(x.ty.dtype)
+    return layout, tirx.reinterpret(layout.bits, x)
+
+
 def isnan(x):
-    """NaN test on the bits (exponent all ones, mantissa non-zero).
+    """NaN test on the bits (exponent all ones, fraction non-zero).
 
     ``tirx.isnan`` of a let-bound value inside a vectorized loop makes TVM 0.27 scalarize
     the loop and lose its variable, and ``x != x`` is folded to false by the simplifier."""
-    return abs_bits(x) > _i(0x7F800000)
+    layout = float_bits(x.ty.dtype)
+    return abs_bits(x) > layout.of(layout.inf)
 
 
 def as_written(x):
@@ -90,30 +131,35 @@ def as_written(x):
     value round-trips through its integer bits, which no rewrite rule undoes.  The spec
     parser wraps one operand of every operation that sympy would have folded
     (``algebra.ieee.AsWritten``)."""
-    return tirx.reinterpret(F32, tirx.reinterpret("int32", x))
+    return tirx.reinterpret(x.ty.dtype, _bits(x)[1])
 
 
 def abs_bits(x):
-    """The int32 bits of |x|: ordered like |x| for numbers, above those of inf for NaN."""
-    return tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7FFFFFFF))
+    """The integer bits of |x|: ordered like |x| for numbers, above those of inf for NaN."""
+    layout, bits = _bits(x)
+    return tirx.bitwise_and(bits, layout.of(layout.magnitude))
 
 
 def isfinite(x):
     """Finiteness on the bits (exponent not all ones), for the same reasons as ``isnan``."""
-    return tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7F800000)) != _i(0x7F800000)
+    layout, bits = _bits(x)
+    return tirx.bitwise_and(bits, layout.of(layout.inf)) != layout.of(layout.inf)
 
 
 def isinf(x):
-    """+-inf on the bits (exponent all ones, mantissa zero), for the same reasons as ``isnan``."""
-    return tirx.bitwise_and(tirx.reinterpret("int32", x), _i(0x7FFFFFFF)) == _i(0x7F800000)
+    """+-inf on the bits (exponent all ones, fraction zero), for the same reasons as ``isnan``."""
+    layout = float_bits(x.ty.dtype)
+    return abs_bits(x) == layout.of(layout.inf)
 
 
-def _copysign(magnitude, sign):
-    """copysign on the bits: TVM's vectorizer scalarizes the copysign intrinsic when its
-    argument holds a Let (as fast_exp's result does)."""
-    bits = tirx.bitwise_or(tirx.reinterpret("int32", magnitude),
-                           tirx.bitwise_and(tirx.reinterpret("int32", sign), _i(-2**31)))
-    return tirx.reinterpret(F32, bits)
+def copysign(magnitude, sign):
+    """``magnitude`` (>= 0) with the sign bit of ``sign`` or'ed in, on the bits: TVM's
+    vectorizer scalarizes the copysign intrinsic when its argument holds a Let (as
+    fast_exp's result does)."""
+    layout, bits = _bits(magnitude)
+    top = layout.of(~layout.magnitude)  # the sign bit alone, as a signed integer
+    return tirx.reinterpret(magnitude.ty.dtype, tirx.bitwise_or(
+        bits, tirx.bitwise_and(tirx.reinterpret(layout.bits, sign), top)))
 
 
 def _horner(x, coeffs):
@@ -248,7 +294,7 @@ def _tanh_body(x):
         return let(e, lambda e: tirx.Select(z < _f(0.625), small,
                                             _f(1.0) - _f(2.0) / (e + _f(1.0))), "tanh_e")
 
-    y = _copysign(let(tirx.abs(x), on_abs, "tanh_z"), x)
+    y = copysign(let(tirx.abs(x), on_abs, "tanh_z"), x)
     return tirx.Select(isnan(x), x, y)
 
 
@@ -309,8 +355,8 @@ def fast_sigmoid(x):
 
 
 def elementwise_kernel(builder, n: int, lanes: int = 16, parallel: bool = False,
-                       name: str = "fastmath_kernel"):
-    """A PrimFunc ``name(x, y)`` computing ``y[i] = builder(x[i])`` over float32[n].
+                       name: str = "fastmath_kernel", dtype: str = F32):
+    """A PrimFunc ``name(x, y)`` computing ``y[i] = builder(x[i])`` over ``dtype``[n].
 
     The inner loop is ``T.vectorized(0, lanes)``; ``n`` must be a multiple of ``lanes``.
     With ``parallel`` the outer loop runs on ``TVM_NUM_THREADS`` threads.
@@ -327,7 +373,7 @@ def elementwise_kernel(builder, n: int, lanes: int = 16, parallel: bool = False,
         with T.prim_func():
             T.func_name(name)
             T.func_attr({"global_symbol": name, "tirx.noalias": True})
-            x, y = arg_buffer("x", (n,), F32), arg_buffer("y", (n,), F32)
+            x, y = arg_buffer("x", (n,), dtype), arg_buffer("y", (n,), dtype)
             with outer(0, n // lanes) as o:
                 with T.vectorized(0, lanes) as lane:
                     T.buffer_store(y, builder(x[o * lanes + lane]), [o * lanes + lane])

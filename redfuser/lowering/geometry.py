@@ -20,7 +20,7 @@ from math import prod
 import numpy as np
 
 from algebra.cascade import carries_feature_axis
-from algebra.dtypes import COMPUTE, storage, widest
+from algebra.dtypes import COMPUTE, array_dtype, compute_of, widest
 from algebra.families import element_exprs
 from algebra.layout import Layout, resolve
 from algebra.rule import FusionRule
@@ -33,7 +33,7 @@ class InputGeom:
     rows: tuple[int, ...]  # the input's own row axes, left-padded with 1s to the kernel's rank
     length: int  # L: N for streams, 1 for parameters
     width: int  # F: D for feature vectors, 1 otherwise
-    dtype: str = COMPUTE.name  # its storage dtype (``algebra.dtypes``): loads convert it to float32
+    dtype: str = COMPUTE.name  # its dtype (``algebra.dtypes``): loads convert it to the compute one
 
     @property
     def count(self) -> int:
@@ -73,8 +73,10 @@ class Geometry:
     d: int
     inputs: dict[str, InputGeom]
     vec: frozenset[str]  # inputs, state variables and results that carry the feature axis
-    # the storage dtype of per-element outputs and feature-vector results (statistics: float32)
+    # the storage dtype of per-element outputs and feature-vector results (statistics: compute)
     out_dtype: str = COMPUTE.name
+    # what the kernel computes in, and stores its per-row statistics in (``algebra.dtypes``)
+    compute: str = COMPUTE.name
 
     @property
     def r(self) -> int:
@@ -84,6 +86,12 @@ class Geometry:
         return self.d if name in self.vec else 1
 
     def key(self) -> tuple:
+        """What a kernel built for this geometry depends on (caches never mix dtypes)."""
+        return (*self.shape_key(), self.compute)
+
+    def shape_key(self) -> tuple:
+        """``key`` without the compute dtype: the shapes and storage dtypes (a tuning record
+        holds the compute dtype in a field of its own, ``tune.db.entry_key``)."""
         return (self.rows, self.n, self.d, self.out_dtype, tuple(sorted(
             (k, v.rows, v.length, v.width, v.dtype) for k, v in self.inputs.items())))
 
@@ -105,7 +113,7 @@ def dynamic_key(rule: FusionRule, geo: Geometry) -> tuple:
     """What a kernel built on ``symbolic_geometry`` depends on: the rank of the rows, D, the
     feature-axis flags and, per input, its broadcast axes and kind (stream or parameter)."""
     streams = {s.name for s in rule.cascade.streams}
-    return (len(geo.rows), geo.d, geo.vec, geo.out_dtype, tuple(sorted(
+    return (len(geo.rows), geo.d, geo.vec, geo.out_dtype, geo.compute, tuple(sorted(
         (k, broadcast_axes(geo, k), k in streams, v.width, v.dtype)
         for k, v in geo.inputs.items())))
 
@@ -125,8 +133,9 @@ def fits(key: tuple, rule: FusionRule, geo: Geometry) -> bool:
     >>> fits(dynamic_key(rule, geo(4)), rule, geo(1)), fits(dynamic_key(rule, geo(1)), rule, geo(4))
     (True, False)
     """
-    rank, d, vec, out_dtype, inputs = key
-    if (rank, d, vec, out_dtype) != (len(geo.rows), geo.d, geo.vec, geo.out_dtype):
+    rank, d, vec, out_dtype, compute, inputs = key
+    if (rank, d, vec, out_dtype, compute) != (len(geo.rows), geo.d, geo.vec, geo.out_dtype,
+                                              geo.compute):
         return False
     streams = {s.name for s in rule.cascade.streams}
     for name, bcast, stream, width, dtype in inputs:
@@ -151,13 +160,16 @@ def symbolic_geometry(rule: FusionRule, geo: Geometry, rows: tuple, n) -> Geomet
                                                               strict=True)),
                            n if k in streams else 1, g.width, g.dtype)
               for k, g in geo.inputs.items()}
-    return Geometry(tuple(rows), n, geo.d, inputs, geo.vec, geo.out_dtype)
+    return Geometry(tuple(rows), n, geo.d, inputs, geo.vec, geo.out_dtype, geo.compute)
 
 
-def geometry(rule: FusionRule, layout: Layout, out_dtype: str | None = None) -> Geometry:
+def geometry(rule: FusionRule, layout: Layout, out_dtype: str | None = None,
+             compute: str | None = None) -> Geometry:
     """Shapes, storage dtypes and feature-axis flags of ``rule`` called on inputs resolved to
     ``layout``; per-element outputs are stored as ``out_dtype``, by default as the streams
-    are (torch's convention: bfloat16 in, bfloat16 out; ``algebra.dtypes.widest``)."""
+    are (torch's convention: bfloat16 in, bfloat16 out; ``algebra.dtypes.widest``); the
+    kernel computes in ``compute``, by default float64 where an input is float64, else
+    float32 (``algebra.dtypes.compute_of``)."""
     rank = len(layout.rows)
     inputs = {}
     for name, a in layout.arrays.items():
@@ -165,8 +177,10 @@ def geometry(rule: FusionRule, layout: Layout, out_dtype: str | None = None) -> 
         inputs[name] = InputGeom((1,) * (rank - len(own)) + tuple(own), a.shape[-2],
                                  a.shape[-1], a.dtype.name)
     if out_dtype is None:
-        out_dtype = widest(storage(inputs[s.name].dtype)
+        out_dtype = widest(array_dtype(inputs[s.name].dtype)
                            for s in rule.cascade.streams).name
+    if compute is None:
+        compute = compute_of(array_dtype(g.dtype) for g in inputs.values()).name
     vec = {k for k, g in inputs.items() if g.width > 1}
     for comp in rule.components:
         anchors_vec = any(a.name in vec for a in comp.anchors)
@@ -176,7 +190,7 @@ def geometry(rule: FusionRule, layout: Layout, out_dtype: str | None = None) -> 
             if carries_feature_axis(expr, vec - {rule.count.name}):
                 vec.add(name)
     return Geometry(tuple(layout.rows), layout.n, layout.d or 1, inputs, frozenset(vec),
-                    out_dtype)
+                    out_dtype, compute)
 
 
 def shape_geometry(rule, shapes: dict[str, tuple] | None = None, rows: tuple | None = None,

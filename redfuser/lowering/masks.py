@@ -12,7 +12,6 @@ from algebra.cascade import INDEX
 from algebra.skip import skip_conditions
 
 from ..tvm.ir import T, tirx
-from .signature import F32
 from .steps import all_of
 
 
@@ -40,7 +39,8 @@ class MaskSteps:
             if found is None:
                 continue
             op, bound = found
-            first, last = tirx.Cast(F32, base), tirx.Cast(F32, base + size - 1)
+            dtype = self.geo.compute
+            first, last = tirx.Cast(dtype, base), tirx.Cast(dtype, base + size - 1)
             none, every = [], []
             for r in rows:
                 e = T.bind(self.expr(bound, self.base_lookup(r)))

@@ -35,7 +35,8 @@ def unfused_passes(rule: FusionRule, geo: Geometry):
     tmp = {}
     for k, red in enumerate(rule.cascade.reductions):
         width = result_width(rule, geo, red.name)
-        tmp[red.name] = (T.alloc_buffer((geo.r, width), result_dtype(rule, red.name)), width)
+        dtype = result_dtype(rule, red.name, geo.compute)
+        tmp[red.name] = (T.alloc_buffer((geo.r, width), dtype), width)
         yield unfused_rules(rule)[k], {red.name: tmp[red.name]}, epilogue_values(rule, tmp)
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import sympy as sp
 
 from algebra.cascade import INDEX
+from algebra.dtypes import COMPUTE
 from algebra.functions import Dot
 from algebra.stash import tile_anchor
 
 from ..tvm.ir import T, tirx
 from .geometry import is_streamed
 from .registers import States, working
-from .signature import F32, I64
+from .signature import I64
 from .texpr import stored
 
 STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("@": never a
@@ -24,15 +25,23 @@ STASHED = sp.Symbol("stash@value")  # a stashed output's value at its element ("
 class OutputSteps:
     # Per-row results --------------------------------------------------------------------
     def store_result(self, buf, value, index: list, lanes: int = 1):
-        """``buf[index] = value`` for a float32 (int64: an index) per-row result: stored as
-        ``buf`` holds it, a feature-vector result in ``geo.out_dtype`` rounded once to
-        nearest even (``signature.stored_results``), with the target's instruction for a
-        whole vector where ``lanes`` > 1 is the width of the loop vectorized around it."""
-        if buf.dtype in (F32, I64):
+        """``buf[index] = value`` for a per-row result in the compute dtype (int64: an
+        index): stored as ``buf`` holds it, a feature-vector result in ``geo.out_dtype``
+        rounded once to nearest even (``signature.stored_results``), with the target's
+        instruction for a whole vector where ``lanes`` > 1 is the width of the loop
+        vectorized around it."""
+        if buf.dtype in (self.geo.compute, I64):
             T.buffer_store(buf, value, index)
             return
-        narrow = self.narrowing(self.geo.out_dtype, lanes) if lanes > 1 else None
-        T.buffer_store(buf, stored(value, buf.dtype, narrow), index)
+        T.buffer_store(buf, stored(value, buf.dtype, self._narrowing(lanes)), index)
+
+    def _narrowing(self, lanes: int) -> str | None:
+        """The target's instruction that rounds ``lanes`` computed values to
+        ``geo.out_dtype`` at once (``Emitter.narrowing``; None: none, or one lane); those
+        instructions take float32 vectors, so a float64 kernel rounds portably."""
+        if lanes == 1 or self.geo.compute != COMPUTE.name:
+            return None
+        return self.narrowing(self.geo.out_dtype, lanes)
 
     def slot_lanes(self, width: int) -> int:
         """The width of the vector loop ``slots(width)`` opens (1: none)."""
@@ -43,7 +52,7 @@ class OutputSteps:
     def stash_into(self, outs: dict, end: int, rows: dict | None = None):
         """The statistics pass writes each stashable output's basis value into ``outs[name]``
         for elements [0, ``end``) (the caller folds them all at one set of anchors), or into
-        ``rows[name]``, a float32 row buffer (1, N, 1) of the thread, where the output's own
+        ``rows[name]``, a compute-dtype row buffer (1, N, 1) of the thread, where the output's own
         dtype would round the value before its last multiply."""
         for name, s in self.rule.stashes.items():
             if outs[name].shape[2] == 1:  # a scalar basis value fills a scalar output
@@ -97,8 +106,8 @@ class OutputSteps:
             values |= {d: T.bind(self._dot(d, r, i)) for d in dots}  # a loop over D each
             look = self.base_lookup(r, i, slot, {**hoisted, **values})
             # per-element outputs are stored as ``geo.out_dtype``
-            narrow = self.narrowing(self.geo.out_dtype, lanes) if lanes > 1 else None
-            T.buffer_store(buf, stored(self.expr(expr, look), buf.dtype, narrow), [r, i, slot])
+            T.buffer_store(buf, stored(self.expr(expr, look), buf.dtype,
+                                       self._narrowing(lanes)), [r, i, slot])
 
         vector = 1 if dots else self.simd  # a dot's own loop cannot sit in a vector lane
         if vector > 1 and width == 1 and step == 1 and (not self.geo.static or

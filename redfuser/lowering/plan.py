@@ -50,8 +50,9 @@ class Plan:
     """
 
     variant: str
-    # elements of a row one step of the fold takes per thread: the CPU's float32 vector
-    # lanes; always 1 on CUDA, where a block's threads share the row (``CudaPlan.threads``)
+    # elements of a row one step of the fold takes per thread: the CPU's vector lanes (of
+    # the compute dtype); always 1 on CUDA, where a block's threads share the row
+    # (``CudaPlan.threads``)
     lanes: int = 1
     # split: pieces each row is cut into, folded in parallel (CPU tasks, CUDA blocks) and
     # combined with the derived merge

@@ -10,6 +10,7 @@ from .backends import backend
 from .geometry import Geometry, symbolic_geometry
 from .plan import Plan
 from .signature import I64, call_shape, param_shape, signature
+from .texpr import computing
 
 FUNC_NAME = "redfuser_kernel"
 
@@ -37,12 +38,13 @@ def build_primfunc(rule: FusionRule, geo: Geometry, plan: Plan, name: str = FUNC
     >>> "T.parallel" in func.script()  # rows in parallel: the CPU's rolling nest
     True
     """
+    backend(target).check_compute(geo.compute)
     if plan.dynamic:
         rows = tuple(size if k in fixed_rows else shape_var(f"rows{k}", I64)
                      for k, size in enumerate(geo.rows))
         geo = symbolic_geometry(rule, geo, rows, shape_var("length", I64))
     sig = signature(rule, geo, keep)
-    with IRBuilder() as ib:
+    with IRBuilder() as ib, computing(geo.compute):  # the dtype of the body's literals
         with T.prim_func():
             T.func_name(name)
             T.func_attr({"global_symbol": name, "tirx.noalias": True})

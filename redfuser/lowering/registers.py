@@ -7,8 +7,10 @@ with the state into split workspaces and CUDA shared memory like any other regis
 plain max/min folds
 with the target's own float max (NaN may be dropped: TVM compiles with LLVM's
 NoNaNsFPMath) and marks NaN apart, in integers: its mark is the largest |bits| folded,
-above ``NAN_BITS`` exactly when a NaN was seen (two integer operations per element instead
-of a NaN-ordered select); finalize turns a marked value into NaN.
+above the bits of inf exactly when a NaN was seen (two integer operations per element
+instead of a NaN-ordered select; integers of the compute dtype's width,
+``fastmath.FLOAT_BITS``); finalize turns a marked value into NaN.  States and working
+anchors are held in the compute dtype (``Geometry.compute``), indices in int64.
 """
 
 from __future__ import annotations
@@ -18,11 +20,10 @@ from algebra.rule import FusionRule
 from algebra.state import INDEX_SENTINEL, StateVar
 
 from ..tvm.ir import T, tirx
+from .fastmath import float_bits
 from .geometry import Geometry
-from .signature import F32, I32, I64, rule_k
+from .signature import I32, I64, rule_k
 from .texpr import const
-
-NAN_BITS = 0x7F800000  # |bits| of +inf: a float32 whose |bits| exceed it is NaN
 
 
 def working_anchors(rule: FusionRule) -> list[str]:
@@ -51,14 +52,14 @@ def registers(rule: FusionRule, geo: Geometry) -> dict[str, tuple[int, str, str,
     """Every per-lane register: name -> (width, dtype, kind, initial value).  A working
     anchor starts at 0: the initial (empty) state is the same at every anchor; a NaN mark
     starts at 0 (no NaN seen)."""
-    out = {}
+    out, value = {}, geo.compute
     for s in rule.state:
-        out[s.symbol.name] = (register_width(rule, geo, s), I64 if s.kind.is_index else F32,
+        out[s.symbol.name] = (register_width(rule, geo, s), I64 if s.kind.is_index else value,
                               s.kind, s.init)
     for a in working_anchors(rule):
-        out[working(a)] = (geo.width(a), F32, None, 0)  # kind None: an anchor, not a state
+        out[working(a)] = (geo.width(a), value, None, 0)  # kind None: an anchor, not a state
     for name in nan_marked(rule):
-        out[nan_mark(name)] = (out[name][0], I32, None, 0)
+        out[nan_mark(name)] = (out[name][0], float_bits(value).bits, None, 0)
     return out
 
 
@@ -98,7 +99,7 @@ class States:
 def _initial(kind, dtype: str, init):
     if kind is not None and kind.is_index:
         return tirx.const(INDEX_SENTINEL, I64)  # "no index yet"
-    return tirx.const(int(init), I32) if dtype == I32 else const(float(init))
+    return tirx.const(int(init), dtype) if dtype in (I32, I64) else const(float(init), dtype)
 
 
 class Const0:

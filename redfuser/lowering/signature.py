@@ -5,8 +5,9 @@ then the outputs in spec order: per-row results (R, width) and per-element outpu
 (R, N, width).  A result's width is k for a top-k, D on the feature axis, else 1; an
 arg-reduction's result is int64.  Per-element outputs and feature-vector results
 (``stored_results``: attention's ``o``) are stored as ``geo.out_dtype``; per-row statistics
-stay float32.  Every consumer (the PrimFunc builder, ``Kernel``'s output allocation, the
-TensorIR and Relax rewrites) reads the widths and dtypes from here.
+are stored in the compute dtype (``geo.compute``: float32, or float64).  Every consumer
+(the PrimFunc builder, ``Kernel``'s output allocation, the TensorIR and Relax rewrites)
+reads the widths and dtypes from here.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def signature(rule: FusionRule, geo: Geometry, keep: frozenset | None = None) ->
             if keep is None or name in keep:
                 outputs.append(Arg(name, (geo.r, width), output_dtype(rule, geo, name)))
             else:  # no caller reads it: kept as the kernel computes it
-                internal.append(Arg(name, (geo.r, width), result_dtype(rule, name)))
+                internal.append(Arg(name, (geo.r, width), result_dtype(rule, name, geo.compute)))
     return Signature(inputs, tuple(outputs), tuple(internal))
 
 
@@ -180,18 +181,18 @@ def result_width(rule: FusionRule, geo: Geometry, name: str) -> int:
     return shape.k if shape is not None and shape.k else geo.width(name)
 
 
-def result_dtype(rule: FusionRule, name: str) -> str:
+def result_dtype(rule: FusionRule, name: str, compute: str = F32) -> str:
     """The dtype the kernel computes and keeps a per-row result in (its own scratch, the
     per-row buffers of the unfused and staged passes): int64 for the result of an
-    arg-reduction (argmax, argtopk, ...), else float32."""
+    arg-reduction (argmax, argtopk, ...), else the kernel's ``compute`` dtype."""
     red = next((r for r in rule.cascade.reductions if r.name == name), None)
-    return I64 if red is not None and StateKind(LAWS[red.op].returns).is_index else F32
+    return I64 if red is not None and StateKind(LAWS[red.op].returns).is_index else compute
 
 
 def output_dtype(rule: FusionRule, geo: Geometry, name: str) -> str:
     """The dtype output ``name``, a per-row result, is stored in: ``geo.out_dtype`` for a
     feature-vector result (``stored_results``), as per-element outputs are; else
-    ``result_dtype`` (statistics float32, indices int64).
+    ``result_dtype`` (statistics in the compute dtype, indices int64).
 
     Examples
     --------
@@ -203,7 +204,9 @@ def output_dtype(rule: FusionRule, geo: Geometry, name: str) -> str:
     >>> output_dtype(rule, geo, "y"), output_dtype(rule, geo, "r")
     ('float16', 'float32')
     """
-    return geo.out_dtype if name in stored_results(rule) else result_dtype(rule, name)
+    if name in stored_results(rule):
+        return geo.out_dtype
+    return result_dtype(rule, name, geo.compute)
 
 
 def stored_results(rule: FusionRule) -> frozenset[str]:
@@ -211,8 +214,8 @@ def stored_results(rule: FusionRule) -> frozenset[str]:
     that carry the feature axis (attention's ``o``, a GEMM cascade's ``y``; by the spec,
     whatever D is) and that no other statement of the cascade reads.  What a reduction,
     an epilogue or a per-element output is computed from is a statistic of the cascade (a
-    later stage or pass reads it), and stays float32, as ``m``, ``d`` and ``lse`` do; a
-    top-k's values (width k) are no feature vector.
+    later stage or pass reads it), and stays in the compute dtype, as ``m``, ``d`` and
+    ``lse`` do; a top-k's values (width k) are no feature vector.
 
     Examples
     --------

@@ -15,10 +15,10 @@ from algebra.state import INDEX_SENTINEL, primed
 
 from ..tvm.ir import LEAVES, T, tirx
 from .anchors import at
-from .fastmath import abs_bits, isfinite, isnan
-from .registers import NAN_BITS, States, nan_mark, nan_marked
-from .signature import F32, I32, I64
-from .texpr import const
+from .fastmath import abs_bits, float_bits, isfinite, isnan
+from .registers import States, nan_mark, nan_marked
+from .signature import I32, I64
+from .texpr import compute_dtype, const
 
 
 def all_of(conds):
@@ -93,7 +93,8 @@ class SelectSteps:
 
         first = self._before_last if ascending and jname else self.better  # the cheap test
         with T.If(first(comp, v, j, old(vname, last), old(jname, last))), T.Then():
-            new = {n: T.alloc_buffer((k,), I64 if n == jname else F32, scope=self.scratch)
+            new = {n: T.alloc_buffer((k,), I64 if n == jname else self.geo.compute,
+                                     scope=self.scratch)
                    for n in (vname, jname) if n}
             # serial loops: TVM's vectorizer miscompiles this one (every slot got the element)
             # and CUDA has no vector of 8 int64s; LLVM's SLP vectorizer takes them as they are
@@ -115,10 +116,11 @@ class SelectSteps:
     def mark_nans(self, st: States):
         """Finalize of the plain max/min states: NaN where a NaN was folded (NaN wins a
         selection, as in np.max)."""
+        inf = float_bits(self.geo.compute)
         for name in nan_marked(self.rule):
             with self.slots(st.widths[name]) as slot:
-                st.set(name, 0, tirx.Select(st.get(nan_mark(name), 0, slot) > tirx.const(
-                    NAN_BITS, I32), const(float("nan")), st.get(name, 0, slot)), slot)
+                st.set(name, 0, tirx.Select(st.get(nan_mark(name), 0, slot) > inf.of(inf.inf),
+                                            const(float("nan")), st.get(name, 0, slot)), slot)
 
     def reselect(self, st: States, comp, r):
         """Finalize of an anchored selection (``SelectComponent.reselect``): where a final
@@ -146,7 +148,7 @@ class SelectSteps:
         vname, jname = names_of(comp)
         width = st.widths[vname]
         with T.If(flat[0] != tirx.const(0, I32)), T.Then():
-            best = _List(width, self.scratch, comp.direction)  # registers of its own
+            best = _List(width, self.scratch, comp.direction, self.geo.compute)  # its own
 
             def body(i, slot):
                 look = self.base_lookup(r, i, slot, {**self.dots(r, i), **at(true, slot)})
@@ -219,9 +221,9 @@ class _List:
     worst value, so that an empty slot never ranks before an element either (``better``
     compares the values first: an empty 0 kept a later -inf out of a top-k list)."""
 
-    def __init__(self, width: int, scope: str, direction: int):
+    def __init__(self, width: int, scope: str, direction: int, dtype: str):
         self.widths = {"v": width, "j": width}
-        self.bufs = {"v": T.alloc_buffer((1, width), F32, scope=scope),
+        self.bufs = {"v": T.alloc_buffer((1, width), dtype, scope=scope),
                      "j": T.alloc_buffer((1, width), I64, scope=scope)}
         with T.serial(0, width) as t:
             T.buffer_store(self.bufs["v"], const(-math.inf * direction), [0, t])
@@ -315,7 +317,7 @@ def opaque(value: float):
     """``value`` read back from a local cell: TVM's simplifier folds constants (and lets of
     constants) and stops with "Divide by zero" on x / N at N = 0, where IEEE gives inf or
     NaN; it does not track a buffer's contents."""
-    cell = T.alloc_buffer((1,), F32, scope="local")
+    cell = T.alloc_buffer((1,), compute_dtype(), scope="local")
     T.buffer_store(cell, const(value), [0])
     return cell[0]
 

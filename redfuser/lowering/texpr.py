@@ -8,55 +8,81 @@ same way because the lowering computes each dot product once per element.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import numpy as np
 import sympy as sp
 
-from algebra.dtypes import argument_dtype
+from algebra.dtypes import COMPUTE, argument_dtype
 from algebra.functions import Dot
 from algebra.numeric import mul_terms, summands
 
 from ..tvm.ir import LEAVES, tirx
 from . import fastmath  # vectorizable polynomial versions (TVM's exp is a scalar call)
-from .fastmath import isnan
+from .fastmath import FLOAT_BITS, isnan
+from .fastmath64 import fast_exp64
 
 BF16_BITS = argument_dtype("bfloat16")  # how a kernel declares a bfloat16 buffer
+FAST_EXPS = {"float32": fastmath.fast_exp, "float64": fast_exp64}  # per compute dtype
+F32 = COMPUTE.name  # bfloat16 converts through float32 (its top half)
 Lookup = Callable[[sp.Expr], object]  # sympy Symbol or Dot -> PrimExpr
+# The compute dtype of the kernel being built (``Geometry.compute``; ``computing``): the
+# dtype of every literal whose caller names none (the lowering's many const(0), const(1))
+_COMPUTE: ContextVar[str] = ContextVar("compute_dtype", default=F32)
 
 
-def const(value: float, dtype: str = "float32"):
-    """A literal of ``dtype``, rounded to it first: sympy carries torch's mask value
-    ``finfo(float32).min`` as a float64 a hair below -FLT_MAX, which TVM refuses as out of
-    range, while float32 rounds it to -FLT_MAX (and a value past the range to an infinity)."""
-    if dtype == "float32":
-        with np.errstate(over="ignore"):
-            value = np.float32(float(value))
+@contextmanager
+def computing(dtype: str) -> Iterator[None]:
+    """Build with ``dtype`` as the compute dtype of unnamed literals (``const``)."""
+    token = _COMPUTE.set(dtype)
+    try:
+        yield
+    finally:
+        _COMPUTE.reset(token)
+
+
+def compute_dtype() -> str:
+    """The compute dtype of the kernel being built (float32 outside ``computing``)."""
+    return _COMPUTE.get()
+
+
+def const(value: float, dtype: str | None = None):
+    """A literal of ``dtype`` (default: the compute dtype), rounded to it first: sympy
+    carries torch's mask value ``finfo(float32).min`` as a float64 a hair below -FLT_MAX,
+    which TVM refuses as out of range in float32, while float32 rounds it to -FLT_MAX (and
+    a value past the range to an infinity)."""
+    dtype = dtype or compute_dtype()
+    with np.errstate(over="ignore"):
+        value = np.dtype(dtype).type(float(value))
     return tirx.const(float(value), dtype)
 
 
-def loaded(buf, index: list):
-    """``buf[index]`` in float32, converted in registers: float16 by a cast (F16C's
-    vcvtph2ps on x86), bfloat16 (declared as its int16 bits, ``algebra.dtypes``) by
-    moving its bits to the top half of a float32: exact."""
+def loaded(buf, index: list, dtype: str = F32):
+    """``buf[index]`` in the compute ``dtype``, converted in registers: float16 by a cast
+    (F16C's vcvtph2ps on x86), bfloat16 (declared as its int16 bits, ``algebra.dtypes``)
+    by moving its bits to the top half of a float32: exact (float64 to float32 rounds)."""
     value = buf[tuple(index)]
     if buf.dtype == BF16_BITS:
         wide = tirx.Cast("uint32", tirx.Cast("uint16", value))
-        return tirx.reinterpret("float32", tirx.shift_left(wide, tirx.const(16, "uint32")))
-    return value if buf.dtype == "float32" else tirx.Cast("float32", value)
+        value = tirx.reinterpret(F32, tirx.shift_left(wide, tirx.const(16, "uint32")))
+    return value if str(value.ty.dtype) == dtype else tirx.Cast(dtype, value)
 
 
 def stored(value, dtype: str, intrinsic: str | None = None):
-    """A float32 value as a buffer of ``dtype`` holds it, rounded to nearest even (a NaN
+    """A computed value as a buffer of ``dtype`` holds it, rounded to nearest even (a NaN
     stays a quiet NaN of its sign; bfloat16: bits + 0x7FFF + the kept lowest bit, the top
-    half kept, as TVM's own legalization and torch round).  ``intrinsic``: a CPU
-    instruction that rounds a whole vector of them (``cpu.vector.NARROWINGS``), for a
-    store in a loop vectorized at its width."""
-    if dtype == BF16_BITS and intrinsic:
-        return tirx.call_llvm_pure_intrin(BF16_BITS, intrinsic, value)
+    half kept, as TVM's own legalization and torch round, from float32: a float64 value is
+    rounded to float32 first).  ``intrinsic``: a CPU instruction that rounds a whole vector
+    of float32 values (``cpu.vector.NARROWINGS``), for a store in a loop vectorized at its
+    width."""
     if dtype == BF16_BITS:
+        value = value if str(value.ty.dtype) == F32 else tirx.Cast(F32, value)
+        if intrinsic:
+            return tirx.call_llvm_pure_intrin(BF16_BITS, intrinsic, value)
         return share(tirx.reinterpret("uint32", value), _bf16_bits)
-    return value if dtype == "float32" else tirx.Cast(dtype, value)
+    return value if str(value.ty.dtype) == dtype else tirx.Cast(dtype, value)
 
 
 def _bf16_bits(bits):
@@ -108,18 +134,19 @@ def _maximum(a, b, dtype, pick=tirx.max):
         tirx.Or(isnan(u), isnan(v)), u + v, pick(u, v))))  # NaN + anything is NaN
 
 
-def round_half_even(x, dtype: str = "float32"):
+def round_half_even(x, dtype: str = F32):
     """np.round (half to even, the sign of a zero kept) from floor: TVM 0.27 miscompiles
     ``nearbyint`` bound by a statement let inside a vectorized loop (every lane gets the last
     lane's value; docs/TVM-NOTES.md), and floor vectorizes.  ``v - floor(v)`` is exact, so is
-    the parity test of floor(v) below 2**24 (above it every float is an even integer).
+    the parity test of floor(v) below 2**(fraction + 1) (above it every float is an even
+    integer): float32's 2**24, float64's 2**53.
 
     Examples
     --------
-    >>> "floor" in str(round_half_even(tirx.Var("v", "float32")))
+    >>> all("floor" in str(round_half_even(tirx.Var("v", t), t)) for t in ("float32", "float64"))
     True
     """
-    if dtype != "float32":
+    if dtype not in FLOAT_BITS:
         return tirx.nearbyint(x)
     half, one, two = const(0.5, dtype), const(1, dtype), const(2, dtype)
 
@@ -133,9 +160,7 @@ def round_half_even(x, dtype: str = "float32"):
 
 def _signed_like(magnitude, sign):
     """``magnitude`` with the sign bit of ``sign`` or'ed in: round(-0.4) is -0.0, as numpy."""
-    bits = tirx.bitwise_or(tirx.reinterpret("int32", magnitude), tirx.bitwise_and(
-        tirx.reinterpret("int32", sign), tirx.const(-2**31, "int32")))
-    return tirx.reinterpret("float32", bits)
+    return fastmath.copysign(magnitude, sign)
 
 
 def _relu(x, dtype):
@@ -226,13 +251,14 @@ def _may_be_nan(e) -> bool:
     return not (isinstance(e, tirx.FloatImm) and not np.isnan(e.value))
 
 
-def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: bool = True,
+def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = F32, fast_math: bool = True,
            invariant: frozenset[str] = frozenset(), exp: Callable | None = None):
     """Translate ``expr``; symbols and dot products come from ``lookup``.  ``invariant``:
     names that hold one value for the whole kernel row (parameters, N); a division by an
     expression of them only is a multiplication by its reciprocal, which LLVM hoists out of
     the element loop (a division by anything else is a division: ``_mul``).  ``exp``: the
-    fast exp's builder (default ``fastmath.fast_exp``; a CPU's own, ``cpu.vector``).
+    float32 fast exp's builder (default ``fastmath.fast_exp``; a CPU's own, ``cpu.vector``;
+    float64's is ``fastmath64.fast_exp64``).
 
     Examples
     --------
@@ -241,7 +267,9 @@ def to_tir(expr: sp.Expr, lookup: Lookup, dtype: str = "float32", fast_math: boo
     >>> to_tir(2 * x + 1, lambda s: v, fast_math=False)
     T.float32(2.0) * v + T.float32(1.0)
     """
-    exp = (exp or fastmath.fast_exp) if fast_math else tirx.exp
+    # each compute dtype's polynomial exp (TVM's is a libm call per lane)
+    exps = FAST_EXPS | ({F32: exp} if exp else {})
+    exp = exps[dtype] if fast_math and dtype in exps else tirx.exp
 
     def go(e: sp.Expr):
         if e.is_Symbol or isinstance(e, Dot):

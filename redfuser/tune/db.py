@@ -338,11 +338,12 @@ def spec_key(rule) -> str:
     return "; ".join(parts + [f"outputs {list(c.outputs)}"])
 
 
-def entry_key(rule, geo, target: str, machine: str, fast_math: bool = True,
-              dtype: str = "float32") -> str:
-    """The database key of one (rule, geometry, dtype, target, machine) as JSON text."""
-    return json.dumps([spec_key(rule), _jsonable(geo.key()), dtype, target, machine,
-                       bool(fast_math)], separators=(",", ":"))
+def entry_key(rule, geo, target: str, machine: str, fast_math: bool = True) -> str:
+    """The database key of one (rule, geometry, dtype, target, machine) as JSON text; the
+    dtype is the geometry's compute dtype (a float64 kernel's record is never a float32
+    one's)."""
+    return json.dumps([spec_key(rule), _jsonable(geo.shape_key()), geo.compute, target,
+                       machine, bool(fast_math)], separators=(",", ":"))
 
 
 def _jsonable(value):

@@ -182,10 +182,11 @@ def test_mixed_storage_and_out_dtype():
 
 
 def test_refused_dtypes_are_named():
-    with pytest.raises(TypeError, match=r"input 'x' has dtype float64; this kernel stores "
-                                        r"float32, bfloat16, float16"):
-        redfuser.compile("softmax", tune=False)(x=np.ones((2, 3)))
-    with pytest.raises(ValueError, match="out_dtype must be one of float32, bfloat16, float16"):
+    with pytest.raises(TypeError, match=r"input 'x' has dtype int32; kernels read "
+                                        r"float32, bfloat16, float16, float64"):
+        redfuser.compile("softmax", tune=False)(x=np.ones((2, 3), np.int32))
+    with pytest.raises(ValueError, match="out_dtype must be one of float32, bfloat16, float16, "
+                                         "float64"):
         redfuser.compile("softmax", out_dtype="int8")
 
 

@@ -33,10 +33,11 @@ from .vector import host_caches, host_exp, host_isa, host_narrowing
 
 ISA, CACHES = host_isa(), host_caches()  # the host's vector unit and caches (vector.py)
 LANES = ISA.lanes  # float32 lanes of a vector register: one element per lane per step
-# Lanes of a many-lane fold: four registers, so each state accumulates in four independent
+# Registers of a many-lane fold: four, so each state accumulates in four independent
 # chains (one chain is bound by the add latency).  Measured on AVX-512, logsumexp 512 x
 # 2048, 2 threads: 1 register 0.27 ms, 2 0.19, 4 0.15, 8 0.22 (spills).
-FOLD_LANES = 4 * LANES
+FOLD_REGISTERS = 4
+FOLD_LANES = FOLD_REGISTERS * LANES  # in float32 (``fold_lanes``: in a kernel's compute dtype)
 # Elements of a many-lane tile: a row up to this long is one tile (each level re-reads it
 # from L1: 32 KB of 48), longer rows are cut into tiles this long.  The tile's merge then
 # costs one rescale per 8192 elements (logsumexp 64 x 16384: tiles of 2048 elements
@@ -48,8 +49,9 @@ TILE_ELEMENTS = 8192
 # per element); "global" ones under 1 KB become allocas that LLVM promotes to registers
 # (logsumexp 64 x 2048, one thread: 0.101 -> 0.086 ms).
 REGISTER_SCOPE = "global"
-# Every CPU emitter's options: the vector width, the registers' scope, LLVM's rounding of a
-# score, and the host's own conversions and exp (``vector.py``)
+# Every CPU emitter's options: the vector width (float32's; ``emitter_options``: the compute
+# dtype's), the registers' scope, LLVM's rounding of a score, and the host's own conversions
+# and exp (``vector.py``)
 EMITTER_OPTIONS = {"simd": LANES, "scratch": REGISTER_SCOPE, "rounded": llvm_rounded,
                    "backend": "cpu", "narrowing": host_narrowing, "exp": host_exp}
 KEY_TILE = 16  # one lane (feature vectors, dots): elements per tile, e.g. attention's keys
@@ -96,8 +98,8 @@ GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc", "nt")  # a CpuPlan's blocking; 0: n
 
 @dataclass(frozen=True, kw_only=True)
 class CpuPlan(Plan):
-    """A CPU plan: the shared fields (``lanes``: float32 vector lanes folding a row side by
-    side), tiles and row blocks, and the blocking of a GEMM micro-kernel (``gemm.py``).
+    """A CPU plan: the shared fields (``lanes``: vector lanes of the compute dtype folding a
+    row side by side), tiles and row blocks, and the blocking of a GEMM micro-kernel (``gemm.py``).
 
     Examples
     --------
@@ -135,17 +137,41 @@ class CpuPlan(Plan):
                         f"{self.nc}, MC {self.mc}, NT {self.nt}" if self.mr else "")
 
 
+def simd_lanes(geo: Geometry) -> int:
+    """Lanes of a vector register in the compute dtype of ``geo`` (float64: half of
+    float32's ``LANES``)."""
+    return ISA.lanes_of(geo.compute)
+
+
+def fold_lanes(geo: Geometry) -> int:
+    """Lanes of a many-lane fold in the compute dtype of ``geo`` (FOLD_REGISTERS registers)."""
+    return FOLD_REGISTERS * simd_lanes(geo)
+
+
+def emitter_options(geo: Geometry) -> dict:
+    """``EMITTER_OPTIONS`` with the vector width of ``geo``'s compute dtype."""
+    return {**EMITTER_OPTIONS, "simd": simd_lanes(geo)}
+
+
+def micro_kernels(geo: Geometry) -> bool:
+    """May ``geo`` run on the float32 micro-kernels (the blocked GEMM, score tiles)?  Their
+    packed panels, sums and register blocking are float32's; a float64 kernel folds its
+    products in the generic nest (a dot per element), which computes in any dtype."""
+    return geo.compute == F32
+
+
 def vector_lanes(rule: FusionRule, geo: Geometry) -> int:
     """Lanes for the element update when each lane's update is straight-line code:
-    FOLD_LANES where the stream fills them twice, else LANES (or 1)."""
+    ``fold_lanes`` where the stream fills them twice, else ``simd_lanes`` (or 1)."""
     scalar_states = all(s.symbol.name not in geo.vec for s in rule.state)
     no_dot = not any(e.atoms(Dot) for c in rule.components for e in element_exprs(c))
     no_insert = not any(c.family is Family.TOP_K for c in rule.components)
     if not (scalar_states and no_dot and no_insert):
         return 1
     if not geo.static:  # any N: lanes as for a long row, the tails fold one by one
-        return FOLD_LANES
-    return next((lanes for lanes in (FOLD_LANES, LANES) if geo.n >= 2 * lanes), 1)
+        return fold_lanes(geo)
+    return next((lanes for lanes in (fold_lanes(geo), simd_lanes(geo)) if geo.n >= 2 * lanes),
+                1)
 
 
 def tile_for(rule: FusionRule, lanes: int, n: int) -> int:
@@ -184,9 +210,9 @@ def stash_applies(rule: FusionRule, geo: Geometry, plan: CpuPlan) -> bool:
 
 
 def stash_rows(geo: Geometry) -> bool:
-    """Are stashed values kept in a float32 row buffer per thread rather than in the
-    outputs (outputs stored in a narrower dtype than the float32 compute)?"""
-    return geo.out_dtype != F32
+    """Are stashed values kept in a row buffer of the compute dtype per thread rather than
+    in the outputs (outputs stored in another dtype than the compute one)?"""
+    return geo.out_dtype != geo.compute
 
 
 def single_tile(rule: FusionRule, geo: Geometry, lanes: int, tile: int) -> bool:
@@ -224,12 +250,13 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     check_variant(variant)
     threads = threads or default_threads()
     lanes = vector_lanes(rule, geo)
-    blocks = gemm_blocks(rule, geo, threads) if variant != "split" else None
+    tiled = micro_kernels(geo)
+    blocks = gemm_blocks(rule, geo, threads) if variant != "split" and tiled else None
     if blocks is not None and not (variant is None and geo.r < threads and
                                    geo.n >= 2 * MIN_SPLIT_ELEMENTS):
         return gemm_plan(rule, geo, variant, fast_math, blocks)
-    scored = score_plan(rule, geo, threads, fast_math) if variant in (None, "rolling") \
-        else None
+    scored = score_plan(rule, geo, threads, fast_math) if variant in (None, "rolling") and \
+        tiled else None
     if scored is not None:
         return scored
     if variant == "unfused":
@@ -313,7 +340,8 @@ def row_block_for(geo: Geometry, lanes: int, threads: int) -> int:
     shared = any(g.count < geo.r and g.length > 1 and g.width > 1 and
                  g.length * g.width >= BLOCK_MIN_ELEMENTS for g in geo.inputs.values())
     enough = geo.r >= ROW_BLOCK * threads
-    return ROW_BLOCK if lanes == 1 and shared and enough and geo.d % LANES == 0 else 1
+    return ROW_BLOCK if lanes == 1 and shared and enough and geo.d % simd_lanes(geo) == 0 \
+        else 1
 
 
 def gemm_blocks(rule: FusionRule, geo: Geometry, threads: int) -> dict[str, int] | None:

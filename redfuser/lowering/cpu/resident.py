@@ -4,8 +4,10 @@ uses (``variants.resident``)."""
 
 from __future__ import annotations
 
+from algebra.dtypes import numpy_dtype
+
 from ..geometry import Geometry
-from .plan import F32_BYTES, RESIDENT_CACHE_BYTES, single_tile, tile_for, vector_lanes
+from .plan import RESIDENT_CACHE_BYTES, single_tile, tile_for, vector_lanes
 
 
 def row_stashes(rule, geo: Geometry) -> tuple:
@@ -32,11 +34,11 @@ def resident_fit(rule, geo: Geometry, dynamic: bool = False) -> str:
     later = {s.name for st in rule.staged.stages[1:] for s in st.rule.cascade.streams}
     cache = _size(RESIDENT_CACHE_BYTES)
     if dynamic:
-        width = sum(geo.inputs[k].width * F32_BYTES for k in sorted(later))
+        width = sum(geo.inputs[k].width * _itemsize(geo, k) for k in sorted(later))
         return (f"rows of any length: a row stays in the {cache} L2 between the passes while "
                 f"its {width} bytes an element fit ({RESIDENT_CACHE_BYTES // max(width, 1)} "
                 "elements)")
-    size = sum(geo.n * geo.inputs[k].width * F32_BYTES for k in sorted(later))
+    size = sum(geo.n * geo.inputs[k].width * _itemsize(geo, k) for k in sorted(later))
     stashed = "".join(f"; stage {s.reader + 1} reads {rule.staged.stashed_value(s)} back "
                       f"from a row stage {s.writer + 1} wrote"
                       for s in row_stashes(rule, geo))
@@ -45,6 +47,11 @@ def resident_fit(rule, geo: Geometry, dynamic: bool = False) -> str:
                 f"each row once{stashed}")
     return (f"a row's {_size(size)} do not fit the {cache} L2: the later passes re-read it "
             f"from L3 or DRAM (one launch, per-row results stay in the core){stashed}")
+
+
+def _itemsize(geo: Geometry, name: str) -> int:
+    """Bytes of one element of input ``name`` as stored (float64: 8, bfloat16: 2)."""
+    return numpy_dtype(geo.inputs[name].dtype).itemsize
 
 
 def _size(nbytes: int) -> str:

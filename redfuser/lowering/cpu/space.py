@@ -21,6 +21,7 @@ from .plan import (
     choose,
     gemm_blocks,
     gemm_plan,
+    micro_kernels,
     vector_lanes,
 )
 
@@ -45,7 +46,8 @@ def params(rule: FusionRule, geo: Geometry, variant: str,
     >>> [p.name for p in params(rule, shape_geometry(rule, {"x": (64, 1024)}), "split", 2)]
     ['lanes', 'tile', 'splits']
     """
-    blocks = gemm_blocks(rule, geo, threads) if variant != "split" else None
+    tiled = variant != "split" and micro_kernels(geo)  # float32's micro-kernels only
+    blocks = gemm_blocks(rule, geo, threads) if tiled else None
     if blocks is not None:
         return _gemm(rule, geo, variant, blocks)
     lanes = _lanes(rule, geo, variant)

@@ -14,7 +14,10 @@ tile and the derived merge pays the rescale once per tile instead of once per el
   weights): the rows of a block fold the same tile together and every load of the shared
   stream serves all of them; the D-vector sums run slot-chunk outermost, so each row's
   chunk of the sum stays in a register across the tile (a GEMM micro-kernel: tile x rows
-  x LANES).
+  x the vector's lanes).
+
+Vectors are ``em.simd`` lanes of the kernel's compute dtype (16 float32 or 8 float64 on
+AVX-512), and every buffer here holds the compute dtype (``Geometry.compute``).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from ...tvm.ir import T, tirx
 from ..emitter import Emitter, folded
 from ..invariants import split_invariant
 from ..registers import Const0, States
-from ..signature import F32
+from ..texpr import const
 from .plan import ISA, LANES
 
-FEATURE_CHUNKS = 8  # D / LANES from which dots run along the features (tile_dots)
+FEATURE_CHUNKS = 8  # D / vector lanes from which dots run along the features (tile_dots)
 FEATURE_GROUPS = (4, 2, 1)  # elements a step of those dots covers, most first
 
 
@@ -76,7 +79,7 @@ def _lane_loop(lanes: int):
 def _start(st: States, lane, tile: int):
     st.init(lane)
     if st.count in st.bufs:
-        st.set(st.count, lane, tirx.const(float(tile), F32))
+        st.set(st.count, lane, const(float(tile)))
 
 
 def tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool = False,
@@ -168,12 +171,12 @@ def _hold(em: Emitter, st: States, level, lane, r):
 
 
 def _wide(em: Emitter, st: States, comp) -> bool:
-    """A sum whose every column is a feature vector filling whole LANES-wide vectors."""
+    """A sum whose every column is a feature vector filling whole vectors."""
     if not comp.family.linear:
         return False
     cols = [c.name for r, c in enumerate(comp.columns) if not comp.counts(r)]
     return bool(cols) and all(st.widths[c] == em.geo.d for c in cols) and \
-        em.geo.d % LANES == 0
+        em.geo.d % em.simd == 0
 
 
 def _vector_sums(em: Emitter, sts, comp, rows, base, size: int, dots, pres):
@@ -182,10 +185,11 @@ def _vector_sums(em: Emitter, sts, comp, rows, base, size: int, dots, pres):
     each row's chunk of S stays in a register and each streamed load serves every row."""
     cols = [c.name for r, c in enumerate(comp.columns) if not comp.counts(r)]
     names = [a.name for a in comp.anchors]
-    with T.serial(0, em.geo.d // LANES) as chunk:
+    lanes = em.simd
+    with T.serial(0, em.geo.d // lanes) as chunk:
         with T.serial(0, size) as k:
-            with T.vectorized(0, LANES) as lane:
-                slot = chunk * LANES + lane
+            with T.vectorized(0, lanes) as lane:
+                slot = chunk * lanes + lane
                 for st, r, d, pre in zip(sts, rows, dots, pres, strict=True):
                     basis = em.basis_values(comp, r, base + k, em.held(st, 1, names),
                                       d(k) if d else {}, pre and (pre[0], pre[1](k)))
@@ -202,7 +206,8 @@ def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
     found = em.dot_list
     if not found:
         return [None] * len(rows)
-    caches = [T.alloc_buffer((len(found), count), F32, scope=em.scratch) for _ in rows]
+    caches = [T.alloc_buffer((len(found), count), em.geo.compute, scope=em.scratch)
+              for _ in rows]
     group = _feature_group(em, len(rows), count)
     for j, dot in enumerate(found):
         if group:
@@ -212,7 +217,7 @@ def tile_dots(em: Emitter, rows: list, base, count: int) -> list:
         # sums, and each (strided) load of the stream serves every row of the block
         with T.vectorized(0, count) as k:
             for cache in caches:
-                T.buffer_store(cache, tirx.const(0.0, F32), [j, k])
+                T.buffer_store(cache, const(0.0), [j, k])
         with T.serial(0, em.geo.d) as f:
             with T.vectorized(0, count) as k:
                 for cache, r in zip(caches, rows, strict=True):
@@ -230,8 +235,8 @@ def _feature_group(em: Emitter, rows: int, count: int) -> int:
     horizontal add, so it pays where D spans at least FEATURE_CHUNKS vectors; the group's
     sums (rows x group vectors, one panel vector each and a broadcast) must fit the
     registers."""
-    if em.geo.d % LANES or em.geo.d // LANES < FEATURE_CHUNKS:
-        return 0
+    if em.geo.d % em.simd or em.geo.d // em.simd < FEATURE_CHUNKS:
+        return 0  # (``ISA.fits`` counts columns in float32 lanes: g * LANES is g vectors)
     return next((g for g in FEATURE_GROUPS if count % g == 0 and ISA.fits(rows, g * LANES)),
                 0)
 
@@ -239,24 +244,25 @@ def _feature_group(em: Emitter, rows: int, count: int) -> int:
 def _dots_along_features(em: Emitter, caches, rows, base, count: int, j: int, dot,
                          group: int):
     """cache[j, k] = dot at element base + k for every row: ``group`` elements at a time,
-    LANES features per step into rows x group register sums, then one horizontal sum each
-    (a pairwise tree: the same order every run)."""
-    acc = T.alloc_buffer((len(rows), group, LANES), F32, scope="local")
+    a vector of features per step into rows x group register sums, then one horizontal sum
+    each (a pairwise tree: the same order every run)."""
+    lanes = em.simd
+    acc = T.alloc_buffer((len(rows), group, lanes), em.geo.compute, scope="local")
     with T.serial(0, count // group) as g:
         for ri in range(len(rows)):
             with T.unroll(0, group) as e:
-                with T.vectorized(0, LANES) as lane:
-                    T.buffer_store(acc, tirx.const(0.0, F32), [ri, e, lane])
-        with T.serial(0, em.geo.d // LANES) as chunk:
+                with T.vectorized(0, lanes) as lane:
+                    T.buffer_store(acc, const(0.0), [ri, e, lane])
+        with T.serial(0, em.geo.d // lanes) as chunk:
             with T.unroll(0, group) as e:
-                with T.vectorized(0, LANES) as lane:
+                with T.vectorized(0, lanes) as lane:
                     for ri, r in enumerate(rows):
-                        look = em.base_lookup(r, base + g * group + e, chunk * LANES + lane)
+                        look = em.base_lookup(r, base + g * group + e, chunk * lanes + lane)
                         T.buffer_store(acc, acc[ri, e, lane] + em.expr(dot.args[0], look) *
                                        em.expr(dot.args[1], look), [ri, e, lane])
         for ri, cache in enumerate(caches):
             with T.unroll(0, group) as e:
-                parts = [acc[ri, e, lane] for lane in range(LANES)]
+                parts = [acc[ri, e, lane] for lane in range(lanes)]
                 while len(parts) > 1:
                     parts = [a + b for a, b in zip(parts[::2], parts[1::2], strict=True)]
                 T.buffer_store(cache, parts[0], [j, g * group + e])
@@ -273,7 +279,7 @@ def tile_bases(em: Emitter, st: States, comps, r, base, count: int, dots,
     parts = [(e, sym) for one in split if one for e, sym in one[1].items()]
     if not parts:
         return [None] * len(comps)
-    cache = T.alloc_buffer((len(parts), count), F32, scope=em.scratch)
+    cache = T.alloc_buffer((len(parts), count), em.geo.compute, scope=em.scratch)
     names = sorted({a.name for c in comps for a in c.anchors if c.family.linear})
     with T.vectorized(0, count) as k:
         look = em.base_lookup(r, base + k, 0, {**(dots(k) if dots else {}),

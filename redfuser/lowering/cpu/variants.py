@@ -28,14 +28,15 @@ from ..invariants import rule_scores
 from ..nests import copy_state, epilogue_values, store_results, unfused_passes, workspace
 from ..products import products
 from ..registers import Const0, States
-from ..signature import F32, I64, result_dtype, result_width
+from ..signature import I64, result_dtype, result_width
 from ..steps import all_of
 from . import gemm, score_products, score_tiles, tiles
 from .plan import (
-    EMITTER_OPTIONS,
     REGISTER_SCOPE,
     CpuPlan,
+    emitter_options,
     lane_aligned,
+    micro_kernels,
     one_thread,
     rows_loop,
     stage_plan,
@@ -48,7 +49,7 @@ from .scores import score_dot, score_product
 
 
 def _emitter(rule, geo, plan, bufs, rowvals, scores=None) -> Emitter:
-    return Emitter(rule, geo, plan, bufs, rowvals, scores=scores, **EMITTER_OPTIONS)
+    return Emitter(rule, geo, plan, bufs, rowvals, scores=scores, **emitter_options(geo))
 
 
 def _fold(em: Emitter, st: States, r, start, length, lanes: int, tile: int = 1):
@@ -107,6 +108,11 @@ def _lane_chunks(em: Emitter, st: States, r, start, chunks, lanes: int):
 
 
 def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=None):
+    if plan.mr and not micro_kernels(geo):
+        raise ValueError(f"plan {plan}: the GEMM micro-kernel and score tiles (mr = "
+                         f"{plan.mr}) compute float32 (packed float32 panels, AVX FMA "
+                         f"blocking); this kernel computes {geo.compute}: use a plan "
+                         "without mr (the policy's), or compute_dtype='float32'")
     if plan.mr and products(rule, geo):
         return gemm.rolling(rule, geo, plan, bufs, results, elementwise, rowvals or {}, _fold)
     if plan.mr and score_product(rule, geo):  # f(dot) times its stream matrix: two GEMMs
@@ -120,7 +126,7 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=No
         return _rolling_blocks(em, geo, plan, results, elementwise)
     stash = bool(elementwise) and stash_applies(rule, geo, plan)
     with _stash_rows(geo, rule.stashes if stash and stash_rows(geo) else {}) as (r, rows):
-        if stash:  # into the outputs, or the thread's float32 rows
+        if stash:  # into the outputs, or the thread's compute-dtype rows
             em.stash_into(elementwise, plan.lanes * plan.tile, rows)
         if not geo.static:
             em.bind_rows(r)
@@ -134,15 +140,15 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=No
 
 @contextmanager
 def _stash_rows(geo: Geometry, stashes: dict):
-    """The rolling loop over rows; with ``stashes`` (outputs stashed in float32 rows,
-    ``plan.stash_rows``) a thread's rows share one (1, N, 1) float32 buffer per output.
+    """The rolling loop over rows; with ``stashes`` (outputs stashed in compute-dtype rows,
+    ``plan.stash_rows``) a thread's rows share one (1, N, 1) buffer per output.
     Yields (row, output -> its row buffer)."""
     if not stashes:
         with rows_loop(geo)(0, geo.r) as r:
             yield r, {}
         return
-    scratch = lambda: {name: T.alloc_buffer((1, geo.n, 1), F32, scope=REGISTER_SCOPE)  # noqa: E731
-                       for name in stashes}
+    scratch = lambda: {name: T.alloc_buffer((1, geo.n, 1), geo.compute,  # noqa: E731
+                                            scope=REGISTER_SCOPE) for name in stashes}
     with _thread_rows(geo, scratch) as (r, rows):
         yield r, rows
 
@@ -227,14 +233,14 @@ def resident(rule, geo, plan, bufs, results, elementwise):
         for name in stage.results:
             width = result_width(rule, geo, name)
             mine[name] = results.get(name) or (T.alloc_buffer(
-                (geo.r, width), result_dtype(rule, name)), width)
+                (geo.r, width), result_dtype(rule, name, geo.compute)), width)
         em = _emitter(stage.rule, geo, stage_plan(stage.rule, geo, plan), bufs,
                       {**rowvals, **mine}, scores)
         passes.append((em, mine))
         rowvals.update(mine)
     stashes = row_stashes(rule, geo)
-    scratch = lambda: [T.alloc_buffer((1, geo.n, 1), F32, scope=REGISTER_SCOPE)  # noqa: E731
-                       for _ in stashes]
+    scratch = lambda: [T.alloc_buffer((1, geo.n, 1), geo.compute,  # noqa: E731
+                                      scope=REGISTER_SCOPE) for _ in stashes]
     with _thread_rows(geo, scratch) as (r, rows):
         readers = {}  # reader stage -> (its emitter over the stash, the row's condition)
         if not geo.static:
@@ -307,7 +313,8 @@ def _stash_reader(em: Emitter, stash, buf, r, mine: dict, reader: Emitter):
     cond = all_of(em.stash_anchors[tile_anchor(a, em.rule.cascade)] == mine[a.name][0][r, 0]
                   for a in comp.anchors)
     geo = reader.geo
-    inputs = {**geo.inputs, stash.stream: InputGeom((1,) * len(geo.rows), geo.n, 1)}
+    inputs = {**geo.inputs, stash.stream: InputGeom((1,) * len(geo.rows), geo.n, 1,
+                                                    geo.compute)}
     geo = dataclasses.replace(geo, inputs=inputs)
     own = stage_plan(stash.rule, geo, reader.plan)
     em_s = _emitter(stash.rule, geo, own, {**reader.bufs, stash.stream: buf}, reader.rowvals,

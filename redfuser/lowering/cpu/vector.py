@@ -19,6 +19,10 @@ from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
 
+import numpy as np
+
+from algebra.dtypes import COMPUTE
+
 from ...tvm.target import cpu_has, cpu_target
 from ..fastmath import fast_exp
 from .int8_isa import AMX_INT8, AVX2_BYTES, AVX2_INT16, AVX512_VNNI, QMAX, DotIsa
@@ -45,6 +49,17 @@ class VectorIsa:
     @property
     def gemm_sums(self) -> int:
         return self.gemm_rows * self.gemm_vectors
+
+    def lanes_of(self, dtype: str) -> int:
+        """Lanes of a register holding ``dtype`` (``lanes`` counts float32's: a float64
+        vector holds half as many).
+
+        Examples
+        --------
+        >>> VECTOR_ISAS[0].lanes_of("float64"), VECTOR_ISAS[0].lanes_of("float32")
+        (8, 16)
+        """
+        return self.lanes * COMPUTE.numpy.itemsize // np.dtype(dtype).itemsize
 
     def fits(self, rows: int, columns: int) -> bool:
         """Do a ``rows x columns`` micro-kernel's sums, panel vectors and broadcast fit the
