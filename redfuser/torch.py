@@ -28,9 +28,9 @@ is refused gets outputs whose backward raises ``NotImplementedError`` naming the
 the reason, so a training step fails clearly instead of silently leaving the op's inputs
 without gradients.
 
-float64 tensors run the float64 oracle (``redfuser.reference``) instead of the float32
-kernels, forward and backward cascades alike: ``torch.autograd.gradcheck`` then checks the
-derived gradients against finite differences of the multi-pass definition.
+float64 tensors run float64 kernels, forward and backward cascades alike
+(``torch.autograd.gradcheck`` checks the derived gradients on them); bfloat16 and float16
+tensors are read as they are and computed in float32.
 
 Import this module explicitly (``import redfuser.torch``): it loads torch, which
 ``import redfuser`` does not.
@@ -43,10 +43,9 @@ import re
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import torch
 
-from algebra import FusionRule, NoBackward, derive, reference
+from algebra import FusionRule, NoBackward, derive
 from algebra.backward_logits import through_logits
 from algebra.backward_shared import scalar_gradients, shared_sums, without
 from algebra.stages import StagedRule
@@ -54,7 +53,7 @@ from algebra.stages import StagedRule
 from .kernel import Kernel
 from .torch_gradient import Gradient, Shared
 from .torch_logits import LogitsBackward, logits_backward
-from .torch_shapes import float_dtype, output_specs
+from .torch_shapes import output_specs
 
 NAMESPACE = "redfuser"
 _REGISTERED: dict[str, CascadeOp] = {}
@@ -193,8 +192,6 @@ def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], outputs: tuple
         values = {n: v.detach() if isinstance(v, torch.Tensor) else v
                   for n, v in zip(inputs, args, strict=True)}
         specs = output_specs(kernel.rule, values)
-        if float_dtype(values) == torch.float64:
-            return _packed(_oracle(kernel.rule, values, specs, outputs))
         out = {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in specs.items()}
         kernel(**values, out=out)  # TVM writes these tensors in place
         return _packed(tuple(out[n] for n in outputs))
@@ -210,18 +207,6 @@ def _register(name: str, kernel: Kernel, inputs: tuple[str, ...], outputs: tuple
                                        schema=schema)
     torch_op.register_fake(fake)
     return torch_op
-
-
-def _oracle(rule: FusionRule, values: dict, specs: dict, outputs: tuple) -> tuple:
-    """float64 tensors in: the float64 oracle (``redfuser.reference``, the multi-pass
-    definition in numpy) computes every output, so that ``torch.autograd.gradcheck`` checks
-    the derived backward (which runs this way too) against finite differences of the
-    definition.  For checks, not speed: the kernels compute in float32."""
-    arrays = {n: v.numpy().astype(np.float64) if isinstance(v, torch.Tensor) else v
-              for n, v in values.items()}
-    ref = reference(rule.cascade, arrays)
-    return tuple(torch.from_numpy(np.ascontiguousarray(ref[n])).to(specs[n][1])
-                 .reshape(specs[n][0]) for n in outputs)
 
 
 # Autograd ---------------------------------------------------------------------------------

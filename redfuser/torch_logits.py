@@ -83,7 +83,7 @@ def _per_row(of: ThroughLogits) -> tuple[str, ...]:
 def _blocks(block: Kernel, of: ThroughLogits, values: dict, h: torch.Tensor,
             w: torch.Tensor, want_h: bool, want_w: bool) -> tuple[torch.Tensor, ...]:
     """dh and dw over blocks of the vocabulary (the stream), in float32 at least (the
-    kernels' compute dtype; float64 in float64, the oracle path's), returned in h's and w's
+    kernels' compute dtype; float64 in float64), returned in h's and w's
     dtypes as torch's autograd returns gradients.  Blocks of the stream, not of the rows:
     each block's dw rows are written once by a GEMM over every row (k = rows), and dh
     gathers the blocks' ``ds @ w`` as the row kernel sums the stream; chunks of rows would

@@ -11,19 +11,19 @@ import torch
 from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw, has_guarding_hint
 
 from algebra import FusionRule
-from algebra.dtypes import STORAGE, STORED, storage
+from algebra.dtypes import ARRAYS, array_dtype, compute_of
 from algebra.layout import Layout, resolve, vector_results
 
 from .call import user_shape
 from .lowering import geometry, signature
 
-# every storage dtype is torch's of the same name; indices are int64, int8 GEMMs' int32
-TORCH_DTYPES = {name: getattr(torch, name) for name in (*STORAGE, "int32", "int64")}
+# every array dtype is torch's of the same name; indices are int64, int8 GEMMs' int32
+TORCH_DTYPES = {name: getattr(torch, name) for name in (*ARRAYS, "int32", "int64")}
 
 
 def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch.dtype]]:
-    """Every output's (shape, dtype) for tensors (real, fake or symbolic-sized) and numbers;
-    float64 inputs give float64 outputs (``redfuser.torch``'s oracle path).
+    """Every output's (shape, dtype) for tensors (real, fake or symbolic-sized) and numbers,
+    as the kernel's signature has them (float64 inputs: a float64 kernel's).
 
     The layout is resolved and checked as a call resolves it, on zero-strided stand-ins
     (no memory) of the inputs' sizes, a symbolic size at its value in the example torch
@@ -38,32 +38,27 @@ def output_specs(rule: FusionRule, inputs: dict) -> dict[str, tuple[tuple, torch
     [('p', (3, 8), 'torch.float32'), ('e', (3, 8), 'torch.int64')]
     """
     shapes = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else () for k, v in inputs.items()}
-    stand_ins = {k: np.broadcast_to(np.zeros((), _storage(v.dtype)),
+    stand_ins = {k: np.broadcast_to(np.zeros((), _numpy(v.dtype)),
                                     tuple(_hint(rule, k, s) for s in shapes[k]))
                  if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    layout = resolve(rule.cascade, stand_ins, dtype=np.float32, keep=STORED)
+    kinds = [array_dtype(v.dtype) for v in stand_ins.values() if isinstance(v, np.ndarray)]
+    wide = compute_of(kinds).numpy  # a number is a value in it, as ``Kernel._layout`` has it
+    stand_ins = {k: np.asarray(v, wide) if isinstance(v, float) else v
+                 for k, v in stand_ins.items()}
+    layout = resolve(rule.cascade, stand_ins, dtype=wide, keep=frozenset(ARRAYS))
     sig = signature(rule, geometry(rule, layout))
     if any(isinstance(s, torch.SymInt) for shape in shapes.values() for s in shape):
         layout = _symbolic(rule.cascade, layout, shapes)
     vector = vector_results(rule.cascade, layout.vector)  # as call.call_plan reads it
-    wide = float_dtype(inputs) == torch.float64  # the oracle's: every float output float64
-    return {a.name: (user_shape(rule, layout, a, vector), torch.float64 if wide and
-                     a.dtype in STORAGE else TORCH_DTYPES[a.dtype])
+    return {a.name: (user_shape(rule, layout, a, vector), TORCH_DTYPES[a.dtype])
             for a in sig.outputs}
 
 
-def _storage(dtype: torch.dtype) -> np.dtype:
-    """The numpy stand-in of a tensor's dtype: its storage dtype's, else float32 (what the
-    call converts it to; float64 runs the oracle)."""
-    kind = storage(dtype)
+def _numpy(dtype: torch.dtype) -> np.dtype:
+    """The numpy stand-in of a tensor's dtype: its own where a kernel reads it, else
+    float32 (the call then refuses it by name)."""
+    kind = array_dtype(dtype)
     return kind.numpy if kind is not None else np.dtype(np.float32)
-
-
-def float_dtype(inputs: dict) -> torch.dtype:
-    """float64 where any tensor input is float64 (the oracle computes it), else float32."""
-    wide = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64
-               for v in inputs.values())
-    return torch.float64 if wide else torch.float32
 
 
 def _hint(rule: FusionRule, name: str, size) -> int:

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import redfuser.torch as rt
+from algebra import derive, reference
 from tests.support.gradients import TOL, assert_gradients_match, op_gradients
 
 EPS = 1e-5
@@ -279,7 +281,7 @@ def _float64(g: torch.Generator, *shape, grad: bool = True) -> torch.Tensor:
 
 
 # op (registered under its own name, scalars as tensors so that they get gradients too) ->
-# its inputs in float64: the float64 oracle path
+# its inputs in float64: float64 kernels
 GRADCHECK = {
     "softmax": lambda g: {"x": _float64(g, 2, 5)},
     "log_softmax": lambda g: {"x": _float64(g, 2, 5)},
@@ -307,11 +309,12 @@ GRADCHECK = {
 
 
 @pytest.mark.parametrize("name", sorted(GRADCHECK))
-def test_gradcheck_on_the_float64_oracle_path(name):
-    """float64 tensors run the float64 oracle (``redfuser.reference``), forward and the
-    derived backward cascades alike, so torch.autograd.gradcheck checks each derived
-    gradient (learned scalars included: eps, T, scale) against finite differences of the
-    multi-pass definition, code that the derivation never sees."""
+def test_gradcheck_on_float64_kernels(name):
+    """float64 tensors run float64 kernels, forward and the derived backward cascades
+    alike: the forward equals the float64 oracle (``redfuser.reference``, the multi-pass
+    definition, code the derivation never sees) to 1e-12, and torch.autograd.gradcheck
+    checks each derived gradient (learned scalars included: eps, T, scale) against finite
+    differences of it."""
     inputs = GRADCHECK[name](torch.Generator().manual_seed(5))
     op = rt.op(name, name=f"{name}_gradcheck", tune=False)
     differentiated = {"softmax": "y", "log_softmax": "y", "layernorm": "y", "rmsnorm": "y",
@@ -321,7 +324,12 @@ def test_gradcheck_on_the_float64_oracle_path(name):
         name, "loss")
     index = op.outputs.index(differentiated)
     args = tuple(inputs[n] for n in op.inputs)
-    assert op(*args)[index].dtype == torch.float64
+    got = op(*args)[index]
+    want = reference(derive(name).cascade, {n: v.detach().numpy() if isinstance(
+        v, torch.Tensor) else v for n, v in inputs.items()})[differentiated]
+    assert got.dtype == torch.float64
+    np.testing.assert_allclose(got.detach().numpy().reshape(np.shape(want)), want,
+                               rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda *a: op(*a)[index], args)
 
 
@@ -352,7 +360,7 @@ PRODUCTS = {
 @pytest.mark.parametrize("name", sorted(PRODUCTS))
 def test_products_of_positive_factors_match_torch_autograd(name):
     """dx (and dt, summed over the rows for a scalar t) of a product against torch's
-    autograd of the float64 reference; the float64 path through gradcheck."""
+    autograd of the float64 reference; float64 kernels through gradcheck."""
     spec, reference = PRODUCTS[name]
     g = torch.Generator().manual_seed(4)
     inputs = {"x": torch.randn(3, 9, generator=g) / 2, "t": torch.tensor(0.7)}

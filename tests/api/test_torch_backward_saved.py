@@ -1,7 +1,7 @@
 """A torch op whose backward reads a per-element output the forward saved instead of
 recomputing it (``algebra.backward_saved``): softmax's backward op takes y, not x, and
 trains from y as the forward stored it.  The float32 gradients, eager and under
-``torch.compile(fullgraph=True)``, and gradcheck on the float64 path are
+``torch.compile(fullgraph=True)``, and gradcheck on float64 kernels are
 tests/api/test_torch_backward.py's (softmax among the library ops)."""
 
 from __future__ import annotations
