@@ -30,6 +30,22 @@ def test_derive_variance_is_anchored(capsys):
     assert code == 0 and "at the running mean" in out and "finite-rank re-anchoring" in out
 
 
+@pytest.mark.parametrize(("spec", "passes", "line"), [
+    ("softmax", "1", "dx[i] = y[i]*(d*g_d + dy[i])"),
+    ("mad", "1", "staged forward (2 passes)"),  # a library cascade that needs stages
+    ("mu = sum(x[i]) / N\nv = sum(relu(x[i] - mu))\nw = sum(relu(x[i] - v))", "auto",
+     "[proven] dx[i] = d loss / d x[i] at N = 3"),  # nested kinks, and a staged backward
+])
+def test_derive_backward_prints_the_proven_backward_and_its_rule(capsys, spec, passes, line):
+    code, out, _ = run(capsys, "derive", spec, "--backward", "--passes", passes)
+    assert code == 0 and line in out and "[FAILED]" not in out
+
+
+def test_derive_backward_refuses_an_index_output_by_name(capsys):
+    code, _, err = run(capsys, "derive", "j = argmax(x[i])", "--backward")
+    assert code != 0 and "index" in err
+
+
 def test_json_and_latex(capsys):
     code, out, _ = run(capsys, "derive", "m = max(x[i]); d = sum(exp(x[i] - m))", "--json")
     data = json.loads(out)
