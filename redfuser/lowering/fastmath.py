@@ -13,6 +13,7 @@ either compute dtype (``FLOAT_BITS``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -162,41 +163,70 @@ def copysign(magnitude, sign):
         bits, tirx.bitwise_and(tirx.reinterpret(layout.bits, sign), top)))
 
 
+@dataclass(frozen=True)
+class ExpScheme:
+    """The facts of one dtype's polynomial exp; ``exp_scheme`` is the computation they share:
+    Cody-Waite reduction ``x = n*ln2 + r`` (|r| <= ln2/2; ``ln2_hi`` has trailing zero bits,
+    so ``n * ln2_hi`` is exact), ``poly(r)`` ~ exp(r), and ``2**n`` from exponent bits in
+    two factors (so a result at the bottom of the range is rounded once and the top
+    overflows to inf by itself)."""
+
+    dtype: str
+    bits: str  # the integer dtype of its width
+    fraction: int  # explicit fraction bits: where the exponent field starts
+    bias: int  # the exponent's bias
+    lo: float  # below: 0
+    top: float  # clamp: past it the result overflows to inf by itself
+    ln2_hi: float
+    ln2_lo: float
+    poly: Callable  # exp(r) on [-ln2/2, ln2/2], from a PrimExpr r of ``dtype``
+
+    def const(self, value: float):
+        return tirx.const(value, self.dtype)
+
+    def pow2(self, n):
+        """2**n for an integer ``n`` (of ``bits``) in the normal range, from exponent bits."""
+        return tirx.reinterpret(self.dtype, tirx.shift_left(
+            n + tirx.const(self.bias, self.bits), tirx.const(self.fraction, self.bits)))
+
+
+def exp_scheme(x, scheme: ExpScheme, ldexp: bool = False):
+    """``exp(x)`` by ``scheme``; ``ldexp``: scale by LLVM's ldexp (one instruction where the
+    CPU has one, AVX-512's vscalefps) instead of the exponent bits."""
+    c = scheme.const
+    # Clamp with two flat Selects written so that a NaN passes through (``lo if x < lo else
+    # x``: x86 max/min return their second operand on NaN, so LLVM emits one vmax/vmin
+    # each): the NaN then flows through the polynomial to the result with no test of its
+    # own.
+    def reduced(xc, n):  # exp(r) for r = xc - n*ln2 in [-ln2/2, ln2/2], then scale by 2**n
+        def scaled(r):
+            p, ni = scheme.poly(r), tirx.Cast(scheme.bits, n)
+            if ldexp:
+                return tirx.call_llvm_pure_intrin(scheme.dtype, "llvm.ldexp", p,
+                                                  tirx.Cast("int32", n))
+            half = tirx.shift_right(ni, tirx.const(1, scheme.bits))  # 2**half * 2**(n - half)
+            return p * scheme.pow2(half) * scheme.pow2(ni - half)
+
+        return let(xc - n * c(scheme.ln2_hi) - n * c(scheme.ln2_lo), scaled, "exp_r")
+
+    def select(xc):  # the Let outermost: TVM's vectorizer mishandles Lets under a Select
+        y = let(tirx.floor(xc * c(_LOG2E) + c(0.5)), lambda n: reduced(xc, n), "exp_n")
+        return tirx.Select(x < c(scheme.lo), c(0.0), y)
+
+    low = tirx.Select(x < c(scheme.lo), c(scheme.lo), x)
+    return let(low, lambda xl: let(tirx.Select(xl > c(scheme.top), c(scheme.top), xl),
+                                   select, "exp_c"), "exp_l")
+
+
 def _horner(x, coeffs):
-    acc = _f(coeffs[0])
-    for c in coeffs[1:]:
-        acc = acc * x + _f(c)
+    acc = tirx.const(coeffs[0], x.ty.dtype)
+    for k in coeffs[1:]:
+        acc = acc * x + tirx.const(k, x.ty.dtype)
     return acc
 
 
-def _pow2(n):
-    """2**n as float32 for int32 ``n`` in [-126, 127], built from exponent bits."""
-    return tirx.reinterpret(F32, tirx.shift_left(n + _i(127), _i(23)))
-
-
-def _exp_body(x, ldexp: bool = False):
-    # Clamp with two flat Selects written so that a NaN passes through (``lo if x < lo else
-    # x``: x86 max/min return their second operand on NaN, so LLVM emits one vmaxps/vminps
-    # each): the NaN then flows through the polynomial to the result with no test of its
-    # own.  Past the top the result overflows to inf by itself (2**64 * 2**64 * p).
-    def reduced(xc, n):  # exp(r) for r = xc - n*ln2 in [-ln2/2, ln2/2], then scale by 2**n
-        def poly(r):
-            p = _horner(r, _EXP_P) * (r * r) + r + _f(1.0)
-            ni = tirx.Cast("int32", n)
-            if ldexp:  # one instruction where the CPU has one (AVX-512's vscalefps)
-                return tirx.call_llvm_pure_intrin(F32, "llvm.ldexp", p, ni)
-            half = tirx.shift_right(ni, _i(1))  # 2**n = 2**half * 2**(n - half)
-            return p * _pow2(half) * _pow2(ni - half)
-
-        return let(xc - n * _f(_LN2_HI) - n * _f(_LN2_LO), poly, "exp_r")
-
-    def select(xc):  # the Let outermost: TVM's vectorizer mishandles Lets under a Select
-        y = let(tirx.floor(xc * _f(_LOG2E) + _f(0.5)), lambda n: reduced(xc, n), "exp_n")
-        return tirx.Select(x < _f(_EXP_LO), _f(0.0), y)
-
-    low = tirx.Select(x < _f(_EXP_LO), _f(_EXP_LO), x)
-    return let(low, lambda xl: let(tirx.Select(xl > _f(_EXP_TOP), _f(_EXP_TOP), xl), select,
-                                   "exp_c"), "exp_l")
+EXP32 = ExpScheme(F32, "int32", 23, 127, _EXP_LO, _EXP_TOP, _LN2_HI, _LN2_LO,
+                  lambda r: _horner(r, _EXP_P) * (r * r) + r + _f(1.0))
 
 
 def fast_exp(x, ldexp: bool = False):
@@ -231,7 +261,7 @@ def fast_exp(x, ldexp: bool = False):
     >>> str(fast_exp(tirx.Var("x", "float32")).ty.dtype)
     'float32'
     """
-    return let(_as_f32(x), lambda v: _exp_body(v, ldexp), "exp_x")
+    return let(_as_f32(x), lambda v: exp_scheme(v, EXP32, ldexp), "exp_x")
 
 
 def _log_body(x):
