@@ -30,6 +30,10 @@ _COMMON = dict(
 # Kernels read the tuning database by default: the tests must neither depend on what a user
 # tuned nor write to the real cache, so the whole session gets a fresh cache directory.
 os.environ["REDFUSER_CACHE"] = tempfile.mkdtemp(prefix="redfuser-test-cache-")
+# Likewise torch.compile's on-disk caches (inductor's FX graphs, AOTAutograd's joint graphs):
+# a graph cached by another run, of older code, would be loaded without tracing the ops'
+# registered backwards again, so a test would check what an earlier version traced.
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="redfuser-test-inductor-")
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True, **_COMMON)
 settings.register_profile("dev", print_blob=True, **_COMMON)
