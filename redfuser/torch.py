@@ -38,6 +38,7 @@ Import this module explicitly (``import redfuser.torch``): it loads torch, which
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
@@ -48,9 +49,11 @@ import torch
 from algebra import FusionRule, NoBackward, derive
 from algebra.backward_logits import through_logits
 from algebra.backward_shared import scalar_gradients, shared_sums, without
+from algebra.backward_sorted import sorted_columns
 from algebra.stages import StagedRule
 
 from .kernel import Kernel
+from .torch_columns import Ranged
 from .torch_gradient import Gradient, Shared
 from .torch_logits import LogitsBackward, logits_backward
 from .torch_shapes import output_specs
@@ -223,11 +226,29 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
     if not derived.is_map and spec:
         kernel = _backward_op(spec, f"{name}_backward", scalars, options)
     maps = {g: e for g, e in derived.maps.items() if kernel is None or g not in kernel.outputs}
-    columns = op(derived.columns, f"{name}_backward_columns", differentiable=False,
-                 **options) if derived.columns else None
+    columns = _columns(derived, name, options) if derived.columns else None
     shared = None if kernel is None else _shared(derived, name, scalars, options)
     return Gradient(derived, kernel, Gradient.maps_of(derived, maps), columns, shared,
                     _logits(derived, name, options))
+
+
+def _columns(derived, name: str, options: dict) -> CascadeOp:
+    """``<name>_backward_columns``: the gradients summed over the rows; where its mask
+    compares a stream with per-row values (``algebra.backward_sorted``: causal attention's
+    dk and dv), run through ``<name>_backward_columns_ranged``, which takes the range
+    form (``<name>_backward_columns_sorted``) where that stream is sorted."""
+    general = op(derived.columns, f"{name}_backward_columns", differentiable=False, **options)
+    of = sorted_columns(derived)
+    if of is None:
+        return general
+    ranged = Ranged(of, op(of.spec, f"{name}_backward_columns_sorted", differentiable=False,
+                           **options), general)
+    torch_op = torch.library.custom_op(
+        f"{NAMESPACE}::{name}_backward_columns_ranged", ranged, mutates_args=(),
+        schema=_schema(general.inputs, general.outputs, set()))
+    torch_op.register_fake(general.torch_op)  # the same outputs: the general op's fake
+    return dataclasses.replace(general, name=f"{name}_backward_columns_ranged",
+                               torch_op=torch_op)
 
 
 def _logits(derived, name: str, options: dict) -> LogitsBackward | None:

@@ -13,15 +13,22 @@ axes, flattened (queries).  So:
 - a stream each row holds its own of (rmsnorm_gemm's x) is transposed the same way, its
   positions in place of the axis of 1;
 - ``at`` is the position of each shared-stream row, ``n_stream`` the forward's N.
+
+Where the column cascade's mask compares a sorted stream with a per-row value (causal
+attention's ``at <= pos[i]``), ``Ranged`` runs it as a range of the stream
+(``algebra.backward_sorted``), so the kernel skips the blocks of queries a key never sees.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import sympy as sp
 import torch
 
 from algebra import Backward
+from algebra.backward_sorted import SortedColumns
 from algebra.backward_vectors import vector_results
 
 
@@ -78,3 +85,46 @@ def _lead(stream: torch.Tensor, rows: tuple[int, ...]) -> tuple[int, ...]:
     """A shared stream's row axes, aligned to the forward's rows (missing ones are 1)."""
     lead = tuple(stream.shape[:-2])
     return (1,) * (len(rows) - len(lead)) + lead
+
+
+@dataclass(frozen=True)
+class Ranged:
+    """The column cascade ``general`` run as ``of.spec`` (``ranged``) where ``of.stream``
+    does not decrease along any row, chosen at run time: the body of a custom op with
+    ``general``'s schema (``redfuser.torch``), so a compiled backward makes the choice
+    on the data too."""
+
+    of: SortedColumns
+    ranged: object  # redfuser.torch.CascadeOp of ``of.spec``
+    general: object  # redfuser.torch.CascadeOp of the column cascade
+
+    def __call__(self, *args):
+        laid = dict(zip(self.general.inputs, args, strict=True))
+        picked = self.arguments(laid)
+        if picked is None:
+            return self.general.torch_op(*args)
+        return self.ranged.torch_op(*picked.values())
+
+    def arguments(self, laid: dict) -> dict | None:
+        """``ranged``'s arguments from the general cascade's: each bound a ``searchsorted``
+        of the stream per row; None where the stream decreases somewhere (or holds a NaN),
+        where only the general cascade is right."""
+        stream = laid[self.of.stream]  # kept x 1 x (the forward's rows)
+        if not bool((stream[..., 1:] >= stream[..., :-1]).all()):
+            return None
+        bounds = {b.name: _bound(b, stream[..., 0, :], laid) for b in self.of.bounds}
+        return {n: bounds[n] if n in bounds else laid[n] for n in self.ranged.inputs}
+
+
+def _bound(b, stream: torch.Tensor, laid: dict) -> torch.Tensor:
+    """``b``'s parameter for each row: where the index starts (``>=``) or stops (``<``)
+    meeting its condition.  A NaN value meets no condition: an empty range."""
+    args = sorted(b.value.free_symbols, key=lambda s: s.name)
+    value = torch.as_tensor(sp.lambdify(args, b.value)(*(laid[a.name] for a in args)),
+                            dtype=stream.dtype)
+    value = torch.broadcast_to(value, torch.broadcast_shapes(value.shape,
+                                                             (*stream.shape[:-1], 1)))
+    seq = stream.expand(*value.shape[:-1], stream.shape[-1]).contiguous()
+    at = torch.searchsorted(seq, value.contiguous(), side=b.side).to(stream.dtype)
+    empty = stream.shape[-1] if b.op == ">=" else 0
+    return torch.where(value.isnan(), torch.full_like(at, empty), at)
