@@ -48,6 +48,7 @@ import torch
 
 from algebra import FusionRule, NoBackward, derive
 from algebra.backward_logits import through_logits
+from algebra.backward_scores import through_scores
 from algebra.backward_shared import scalar_gradients, shared_sums, without
 from algebra.backward_sorted import sorted_columns
 from algebra.stages import StagedRule
@@ -56,6 +57,7 @@ from .kernel import Kernel
 from .torch_columns import Ranged
 from .torch_gradient import Gradient, Shared
 from .torch_logits import LogitsBackward, logits_backward
+from .torch_scores import ScoresBackward, scores_backward
 from .torch_shapes import output_specs
 
 NAMESPACE = "redfuser"
@@ -228,8 +230,20 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
     maps = {g: e for g, e in derived.maps.items() if kernel is None or g not in kernel.outputs}
     columns = _columns(derived, name, options) if derived.columns else None
     shared = None if kernel is None else _shared(derived, name, scalars, options)
+    logits = _logits(derived, name, options)
     return Gradient(derived, kernel, Gradient.maps_of(derived, maps), columns, shared,
-                    _logits(derived, name, options))
+                    logits, None if logits else _scores(derived, name, options))
+
+
+def _scores(derived, name: str, options: dict) -> ScoresBackward | None:
+    """``<name>_backward_scores`` where every gradient is coefficients times one vector
+    through dot products (``algebra.backward_scores``: attention's five products where
+    the row and column kernels recompute both scores each)."""
+    of = through_scores(derived)
+    if of is None:
+        return None
+    return scores_backward(of, {g: n for n, (g, _) in derived.gradients.items()}, name,
+                           NAMESPACE, **options)
 
 
 def _columns(derived, name: str, options: dict) -> CascadeOp:

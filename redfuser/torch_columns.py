@@ -42,8 +42,7 @@ def column_values(derived: Backward, values: dict, names: tuple[str, ...],
     for s in shared[1:]:
         if _lead(values[s], rows) != lead:
             raise NotImplementedError(f"{shared[0]} and {s} are shared by different rows")
-    kept = [a for a in range(len(rows)) if lead[a] != 1]
-    along = [a for a in range(len(rows)) if lead[a] == 1]
+    kept, along = kept_axes(values[shared[0]], rows)
     sizes, width = tuple(rows[a] for a in kept), math.prod(rows[a] for a in along)
     n, last = values[shared[0]].shape[-2], len(rows)
     vectors = set(c.vector_inputs) | {u for o, u in derived.upstream.items()
@@ -79,6 +78,13 @@ def column_gradient(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         return t.new_zeros(shape)
     lead, n, d = math.prod(shape[:-2]), shape[-2], shape[-1]
     return t.reshape(lead, -1, d).expand(lead, n, d).reshape(shape)
+
+
+def kept_axes(stream: torch.Tensor, rows: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """(the forward's row axes a shared stream keeps, those it is shared along)."""
+    lead = _lead(stream, rows)
+    return (tuple(a for a in range(len(rows)) if lead[a] != 1),
+            tuple(a for a in range(len(rows)) if lead[a] == 1))
 
 
 def _lead(stream: torch.Tensor, rows: tuple[int, ...]) -> tuple[int, ...]:

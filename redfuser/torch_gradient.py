@@ -111,6 +111,7 @@ class Gradient:
     columns: CascadeOp | None = None  # gradients summed over the rows (``torch_columns``)
     shared: Shared | None = None  # gradients of inputs every row shares, summed over them
     logits: LogitsRun | None = None  # dh and dw through the logits (``torch_logits``)
+    scores: LogitsRun | None = None  # dq, dk, dv through the scores (``torch_scores``)
 
     @staticmethod
     def maps_of(derived: Backward, maps: dict) -> dict:
@@ -134,7 +135,8 @@ class Gradient:
         inputs and outputs among them are all it has to save (softmax: y and d, not x)."""
         ops = (self.op, self.columns, *((self.shared.sums, self.shared.rows) if self.shared
                                         else ()))
-        names = {n for o in (*ops, self.logits) if o is not None for n in o.inputs}
+        names = {n for o in (*ops, self.logits, self.scores) if o is not None
+                 for n in o.inputs}
         names |= {a for _, args in self.maps.values() for a, _ in args}
         names |= {o for _, o in self.derived.dots.values()}
         return frozenset(names | {n for s in self.derived.selections
@@ -144,13 +146,16 @@ class Gradient:
         """Gradient name -> tensor, from the backward's inputs by name: the backward
         cascade's kernel (all of its outputs in its one pass), the ``needed`` maps, and the
         other orientation's kernel where a gradient needs it; dh and dw through the
-        logits where they are all that is needed."""
+        logits where they are all that is needed, and through the scores where they
+        are."""
         if self.logits is not None and self.logits.applies(values, needed):
             return self.logits.run(values, needed)
         for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
             # a per-row statistic: summed in float32 at least, as the kernels' sums are
             acc = torch.promote_types(values[o].dtype, torch.float32)
             values[delta] = (values[up].to(acc) * values[o].to(acc)).sum(-1)
+        if self.scores is not None and self.scores.applies(values, needed):
+            return self.scores.run(values, needed)
         length = _length(self.derived, values)
         stream = values[self.derived.forward.streams[0].name]
         values[N.name] = torch.tensor(float(length), dtype=stream.dtype)  # maps read N

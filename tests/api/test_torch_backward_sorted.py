@@ -3,7 +3,9 @@ of attention masked by a comparison of the key's position with each query's ``po
 as a range of the queries where ``pos`` does not decrease, and as the general cascade where
 it does; both against torch's autograd of the float64 reference
 (tests/support/gradients.py), with every comparison of ``SIDES``, ties in ``pos`` and keys
-no query sees."""
+no query sees.  The attention here adds a bias per key to its scores (ALiBi's, a relative
+position's): without it, its backward runs through the scores
+(``tests/api/test_torch_backward_scores.py``), not through these kernels."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ MASKS = {
 
 
 def _spec(cond: str) -> str:
-    return (f"s = where({cond}, dot(q, k[i, :]) * scale, -inf)\nm = max(s)\n"
+    return (f"s = where({cond}, dot(q, k[i, :]) * scale + b[i], -inf)\nm = max(s)\n"
             f"d = sum(where({cond}, exp(s - m), 0))\n"
             f"o = sum(where({cond}, exp(s - m) * v[i, :], 0)) / d")
 
@@ -43,12 +45,13 @@ def _gradients(op, allowed, pos: torch.Tensor, seed: int) -> tuple[dict, dict, b
     q, k, v = (torch.randn(*s, generator=g) for s in
                ((HEADS, LENGTH, D), (HEADS, 1, LENGTH, D), (HEADS, 1, LENGTH, D)))
     upstream = torch.randn(HEADS, LENGTH, D, generator=g)
-    values = {"q": q, "k": k, "v": v, "scale": 0.5, "pos": pos.reshape(1, LENGTH)}
+    bias = torch.randn(LENGTH, generator=g)
+    values = {"q": q, "k": k, "v": v, "scale": 0.5, "pos": pos.reshape(1, LENGTH), "b": bias}
     leaves = {n: t.clone().requires_grad_() if n in "qkv" else t for n, t in values.items()}
     with mock.patch.object(torch_columns, "_bound", side_effect=torch_columns._bound) as spy:
         op(*(leaves[n] for n in op.inputs))[op.outputs.index("o")].backward(upstream)
     ref = {n: values[n].double().requires_grad_() for n in "qkv"}
-    s = ref["q"] @ ref["k"][:, 0].mT * 0.5
+    s = ref["q"] @ ref["k"][:, 0].mT * 0.5 + bias.double()
     keys = torch.arange(LENGTH, dtype=torch.float64)
     s = s.masked_fill(~allowed(keys[None, :], pos.double()[:, None]), -math.inf)
     (torch.softmax(s, -1) @ ref["v"][:, 0]).backward(upstream.double())
@@ -71,7 +74,7 @@ def test_each_comparison_runs_as_a_range_of_sorted_positions(comparison):
     [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 100],  # keys 1 to 12 seen by the last query only
 ])
 def test_causal_attention_ranges_match_torch_autograd(pos):
-    op = rt.op("causal_attention", scalars=("scale",), tune=False)
+    op = rt.op(_spec("i <= pos"), name="sorted_mask_le", scalars=("scale",), tune=False)
     got, want, ranged = _gradients(op, operator.le, torch.tensor(pos, dtype=torch.float32), 2)
     assert ranged
     assert_gradients_match(got, want, "causal_attention")
@@ -82,7 +85,7 @@ def test_causal_attention_ranges_match_torch_autograd(pos):
     [0, 1, 2, 3, 4, 5, 3, 7, 8, 9, 10, 11, 12],  # one step back
 ])
 def test_unsorted_positions_take_the_general_cascade(pos):
-    op = rt.op("causal_attention", scalars=("scale",), tune=False)
+    op = rt.op(_spec("i <= pos"), name="sorted_mask_le", scalars=("scale",), tune=False)
     got, want, ranged = _gradients(op, operator.le, torch.tensor(pos, dtype=torch.float32), 3)
     assert not ranged, "a decreasing stream ran as a range"
     assert_gradients_match(got, want, "causal_attention")
@@ -91,13 +94,14 @@ def test_unsorted_positions_take_the_general_cascade(pos):
 def test_a_compiled_backward_chooses_on_the_data():
     """Under torch.compile the choice is made inside one op, at run time: the same
     compiled graph takes sorted and unsorted positions, each to its cascade."""
-    op = rt.op("causal_attention", scalars=("scale",), tune=False)
+    op = rt.op(_spec("i <= pos"), name="sorted_mask_le", scalars=("scale",), tune=False)
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(*s, generator=g).requires_grad_() for s in
                ((HEADS, LENGTH, D), (HEADS, 1, LENGTH, D), (HEADS, 1, LENGTH, D)))
     run = torch.compile(lambda *a: op(*a)[op.outputs.index("o")], fullgraph=True)
     for pos, want in ((torch.arange(LENGTH), True), (torch.arange(LENGTH).flip(0), False)):
-        values = {"q": q, "k": k, "v": v, "scale": 0.5, "pos": pos.float().reshape(1, -1)}
+        values = {"q": q, "k": k, "v": v, "scale": 0.5, "pos": pos.float().reshape(1, -1),
+                  "b": torch.zeros(LENGTH)}
         with mock.patch.object(torch_columns, "_bound",
                                side_effect=torch_columns._bound) as spy:
             run(*(values[n] for n in op.inputs)).sum().backward()
