@@ -50,6 +50,9 @@ from .names import fresh
 from .printing import spec_text
 from .spec import parse
 
+_OPS = {sp.LessThan: "<=", sp.StrictLessThan: "<", sp.GreaterThan: ">=",
+        sp.StrictGreaterThan: ">"}
+
 
 @dataclass(frozen=True)
 class Term:
@@ -76,6 +79,7 @@ class ThroughScores:
     first: str
     length: str
     reads: tuple[str, ...]
+    masks: tuple[tuple[str, sp.Expr], ...] = ()  # ``i op e``: false, every coefficient is 0
 
     @property
     def block(self) -> str:
@@ -157,6 +161,7 @@ def _assembled(found: list, scores: dict[str, tuple[str, str]], per_row: set,
             name = fresh("c", taken | {n for n, _ in outputs})
             outputs.append((name, coefficient))
         terms.append(Term(gradient, name, vector, along))
+
     def spell(s: sp.Symbol) -> str:
         return f"{s.name}[i]" if s.name in scores else s.name
 
@@ -164,4 +169,21 @@ def _assembled(found: list, scores: dict[str, tuple[str, str]], per_row: set,
     lines = {n: f"{n}[i] = {spec_text(e.xreplace(shift), spell, NoBackward)}"
              for n, e in outputs}
     reads = sorted({s.name for _, e in outputs for s in e.free_symbols} & per_row)
-    return ThroughScores(scores, tuple(terms), lines, first.name, length.name, tuple(reads))
+    return ThroughScores(scores, tuple(terms), lines, first.name, length.name, tuple(reads),
+                         _masks([e for _, e in outputs], per_row))
+
+
+def _masks(coefficients: list[sp.Expr], per_row: set) -> tuple[tuple[str, sp.Expr], ...]:
+    """(op, e) for each select condition ``i op e`` (``e`` of per-row values) false on
+    which every coefficient is 0: a (row, key) pair where it is false adds nothing."""
+    conds = sorted({w.args[0] for e in coefficients for w in e.atoms(Where)}, key=str)
+    out = []
+    for cond in conds:
+        if type(cond) not in _OPS:
+            continue
+        rel = cond if cond.lhs == POSITION else cond.reversed
+        if rel.lhs != POSITION or any(s.name not in per_row for s in rel.rhs.free_symbols):
+            continue
+        if all(sp.simplify(e.xreplace({cond: sp.false})) == 0 for e in coefficients):
+            out.append((_OPS[type(rel)], rel.rhs))
+    return tuple(out)

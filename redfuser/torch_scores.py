@@ -22,6 +22,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import sympy as sp
 import torch
 
 from algebra.backward_scores import ThroughScores
@@ -139,45 +140,98 @@ def _blocks(block, of: ThroughScores, roles: _Roles, values: dict,
     rows = tuple(torch.broadcast_shapes(*(values[n].shape[:-1] for n in roles.row_vectors)))
     acc = torch.promote_types(first.dtype, torch.float32)
     lay = _Layout.of(values[roles.shared[0]], rows)
-    vec = {n: lay.laid(values[n].to(acc), vector=True) for n in roles.row_vectors}
-    streams = {n: values[n].to(acc).reshape(lay.k, *values[n].shape[-2:])
-               for n in roles.shared}
-    per_row = {n: lay.laid(values[n].to(acc)) for n in of.reads}
-    n, d = streams[roles.shared[0]].shape[-2:]
-    terms = [t for t in of.terms if t.gradient in wanted]
-    grads = {t.gradient: torch.zeros_like(vec.get(roles.of_input[t.gradient]) if t.rows
-                                          else streams[roles.of_input[t.gradient]])
-             for t in terms if t.vector}
-    grads |= {t.gradient: first.new_zeros((lay.k, lay.w), dtype=acc) for t in terms
+    run = _Run(of, [t for t in of.terms if t.gradient in wanted],
+               {n: lay.laid(values[n].to(acc), vector=True) for n in roles.row_vectors},
+               {n: values[n].to(acc).reshape(lay.k, *values[n].shape[-2:])
+                for n in roles.shared},
+               {n: lay.laid(values[n].to(acc)) for n in of.reads}, {})
+    grads = run.grads
+    grads |= {t.gradient: torch.zeros_like(run.vec[roles.of_input[t.gradient]] if t.rows
+                                           else run.streams[roles.of_input[t.gradient]])
+              for t in run.terms if t.vector}
+    grads |= {t.gradient: first.new_zeros((lay.k, lay.w), dtype=acc) for t in run.terms
               if not t.vector}
+    n, d = run.streams[roles.shared[0]].shape[-2:]
     step = min(n, max(d, BLOCK))
     # the scores and coefficients of a block, in buffers every block reuses
     buffers = {x: torch.empty(lay.k * lay.w * step, dtype=acc)
-               for x in (*of.scores, *(t.coefficient for t in terms))}
-    kernel = block(tuple(c for c in of.lines if c in {t.coefficient for t in terms}))
-    c = kernel.rule.cascade
-    reads = [v.name for v in (*c.streams, *c.params)]
+               for x in (*of.scores, *(t.coefficient for t in run.terms))}
+    kernel = block(tuple(c for c in of.lines if c in {t.coefficient for t in run.terms}))
+    masks = _sorted_masks(of, run.per_row)
     for start in range(0, n, step):
         part = slice(start, min(n, start + step))
-        laid = {x: b[:lay.k * lay.w * (part.stop - start)].view(lay.k, lay.w, -1)
-                for x, b in buffers.items()}
-        for s, (a, b) in of.scores.items():
-            torch.bmm(vec[a], streams[b][:, part].mT, out=laid[s])
-        given = per_row | laid | {of.first: float(start), of.length: float(n)}
-        coef = {t.coefficient: laid[t.coefficient] for t in terms}
-        kernel(**{r: given[r] for r in reads}, out=coef)
-        for t in terms:
-            g, u, x = grads[t.gradient], t.vector, coef[t.coefficient]
-            if t.rows and u:
-                g.baddbmm_(x, streams[u][:, part])
-            elif t.rows:
-                g += x.sum(-1)
-            else:
-                g[:, part] = torch.bmm(x.mT, vec[u])
-    shared = {t.gradient for t in terms if t.vector and not t.rows}
+        seen = _seen(masks, part, lay.w)
+        if seen.start < seen.stop:
+            run.block(kernel, buffers, part, seen, n)
+    shared = {t.gradient for t in run.terms if t.vector and not t.rows}
     like = {g: values[roles.of_input[g]] for g in grads}
     return {g: (v.reshape(like[g].shape) if g in shared else lay.back(v)).to(like[g].dtype)
             for g, v in grads.items()}
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One call's laid-out values (``_Layout``: k x w rows) and its gradients."""
+
+    of: ThroughScores
+    terms: list
+    vec: dict  # per-row vectors, k x w x D
+    streams: dict  # shared streams, k x N x D
+    per_row: dict  # per-row scalars, k x w (or 0-d)
+    grads: dict
+
+    def block(self, kernel: Kernel, buffers: dict, part: slice, seen: slice, n: int) -> None:
+        """The positions ``part`` for the rows ``seen``: the scores, the coefficients,
+        and each term's product into its gradient."""
+        k, w = len(next(iter(self.vec.values()))), seen.stop - seen.start
+        laid = {x: b[:k * w * (part.stop - part.start)].view(k, w, -1)
+                for x, b in buffers.items()}
+        vec = {a: v[:, seen] for a, v in self.vec.items()}
+        for s, (a, b) in self.of.scores.items():
+            torch.bmm(vec[a], self.streams[b][:, part].mT, out=laid[s])
+        # the kernel reads compact arrays: a slice of the rows is one when k > 1
+        given = {r: v[:, seen].contiguous() if v.dim() else v for r, v in self.per_row.items()}
+        given |= laid | {self.of.first: float(part.start), self.of.length: float(n)}
+        c = kernel.rule.cascade
+        kernel(**{r.name: given[r.name] for r in (*c.streams, *c.params)},
+               out={t.coefficient: laid[t.coefficient] for t in self.terms})
+        for t in self.terms:
+            g, u, x = self.grads[t.gradient], t.vector, laid[t.coefficient]
+            if t.rows and u:
+                g[:, seen].baddbmm_(x, self.streams[u][:, part])
+            elif t.rows:
+                g[:, seen] += x.sum(-1)
+            else:
+                g[:, part] = torch.bmm(x.mT, vec[u])
+
+
+def _sorted_masks(of: ThroughScores, per_row: dict) -> list[tuple[str, torch.Tensor]]:
+    """Each mask ``i op e`` of ``of`` with ``e`` per row (k x w) where ``e`` does not
+    decrease along the rows of every k (a causal mask's query positions): a block of
+    keys then adds only to a range of the rows (``_seen``).  A NaN fails the check."""
+    out = []
+    for op, e in of.masks:
+        args = sorted(e.free_symbols, key=lambda x: x.name)
+        value = torch.as_tensor(sp.lambdify(args, e)(*(per_row[a.name] for a in args)))
+        if value.dim() == 2 and bool((value[:, 1:] >= value[:, :-1]).all()):
+            out.append((op, value.contiguous()))
+    return out
+
+
+def _seen(masks: list, part: slice, w: int) -> slice:
+    """The rows that the keys ``part`` can add to: for each sorted mask, those where its
+    condition holds for at least one key of the block (``i <= e`` for the first key:
+    ``e >= part.start``; ``i >= e`` for the last), over every k."""
+    lo, hi = 0, w
+    for op, e in masks:
+        at = float(part.start if op in ("<=", "<") else part.stop - 1)
+        side = "left" if op in ("<=", ">") else "right"
+        count = torch.searchsorted(e, torch.full((len(e), 1), at, dtype=e.dtype), side=side)
+        if op in ("<=", "<"):  # rows with e below the block's first key see none of it
+            lo = max(lo, int(count.min()))
+        else:  # rows with e above the block's last key see none of it
+            hi = min(hi, int(count.max()))
+    return slice(lo, hi)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ float64 reference (tests/support/gradients.py: float32 products and kernels)."""
 from __future__ import annotations
 
 import math
+import operator
 from unittest import mock
 
 import pytest
@@ -18,7 +19,7 @@ from redfuser import torch_scores
 from tests.support.gradients import assert_gradients_match
 
 # (heads, queries, keys, D): 300 keys with D = 4 make two blocks (BLOCK), the last partial
-SHAPES = [(2, 5, 5, 4), (1, 1, 1, 4), (1, 7, 300, 4)]
+SHAPES = [(2, 5, 5, 4), (1, 1, 1, 4), (1, 7, 300, 4), (2, 300, 300, 4)]
 
 
 def _problem(heads: int, lq: int, lk: int, d: int, seed: int) -> dict:
@@ -97,3 +98,46 @@ def test_what_is_not_coefficients_times_one_vector_keeps_the_kernels():
     assert through_scores(derive(two).backward()) is None
     assert through_scores(derive(bias).backward()) is None
     assert through_scores(derive("attention").backward()) is not None
+
+
+# comparison -> (its op's name, the condition on key i, the allowed (key, pos) pairs, the
+# range of pos under which every query sees a key of 300)
+COMPARISONS = {
+    "<=": ("le", "i <= pos", operator.le, (0, 300)),
+    "<": ("lt", "i < pos", operator.lt, (1, 301)),
+    ">=": ("ge", "i >= pos", operator.ge, (0, 300)),
+    ">": ("gt", "i > pos", operator.gt, (-1, 299)),
+}
+
+
+@pytest.mark.parametrize("comparison", sorted(COMPARISONS))
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_a_mask_on_sorted_positions_skips_the_rows_a_block_never_reaches(comparison, order):
+    """300 queries and keys make two blocks of keys; with ``pos`` sorted (ties included)
+    the second block adds only to the rows whose condition it can meet (``_seen``), with
+    ``pos`` shuffled to every row; both give torch's gradients."""
+    name, cond, allowed, (lo, hi) = COMPARISONS[comparison]
+    spec = (f"s = where({cond}, dot(q, k[i, :]) * scale, -inf)\nm = max(s)\n"
+            f"d = sum(where({cond}, exp(s - m), 0))\n"
+            f"o = sum(where({cond}, exp(s - m) * v[i, :], 0)) / d")
+    op = rt.op(spec, name=f"scores_mask_{name}", scalars=("scale",), tune=False)
+    g = torch.Generator().manual_seed(5)
+    p = _problem(2, 300, 300, 4, seed=5)
+    edges = torch.tensor([255, 255, 256, 256])  # ties on the blocks' edge keys
+    pos = torch.cat([torch.randint(lo, hi, (296,), generator=g), edges]).sort().values.float()
+    p["pos"] = (pos if order == "sorted" else pos[torch.randperm(300, generator=g)])[None]
+    leaves = {n: p[n].clone().requires_grad_() for n in "qkv"} | {"scale": 0.5,
+                                                                  "pos": p["pos"]}
+    ranges, seen = [], torch_scores._seen
+    with mock.patch.object(torch_scores, "_seen",
+                           side_effect=lambda *a: ranges.append(seen(*a)) or ranges[-1]):
+        op(*(leaves[n] for n in op.inputs))[op.outputs.index("o")].backward(p["do"])
+    assert len(ranges) == 2
+    assert any(r != slice(0, 300) for r in ranges) == (order == "sorted")
+    ref = {n: p[n].double().requires_grad_() for n in "qkv"}
+    s = ref["q"] @ ref["k"][:, 0].mT * 0.5
+    keys = torch.arange(300, dtype=torch.float64)
+    s = s.masked_fill(~allowed(keys[None, :], p["pos"].double()[0, :, None]), -math.inf)
+    (torch.softmax(s, -1) @ ref["v"][:, 0]).backward(p["do"].double())
+    assert_gradients_match({n: leaves[n].grad for n in "qkv"},
+                           {n: ref[n].grad for n in "qkv"}, cond)
