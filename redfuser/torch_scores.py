@@ -8,6 +8,9 @@ The positions (keys) are taken in blocks.  For each block, each score (``dot(q, 
 the coefficients, and one more product per gradient takes each coefficient into the rows'
 gradient (``C @ k``: dq, added block after block in a fixed order) or into the block's rows
 of a shared stream's (``C.T @ q``: dk, dv, written once).  Two runs give the same bits.
+Where a mask's per-row side does not decrease along the rows (a causal mask's query
+positions), a block adds only to the rows it can reach (``_seen``).  Products run in
+float32 at least; a bfloat16 stream is converted a block at a time.
 Registered as its own op (``<name>_backward_scores``, with a fake), so ``torch.compile``
 traces it as one call whatever the number of blocks.
 
@@ -31,8 +34,8 @@ from .kernel import Kernel, compile
 from .torch_columns import kept_axes
 
 # the least number of positions a block holds: narrower blocks make the products too thin
-# to run at speed (attention 8 x 1024 x 1024 D64 on a 2-core Xeon: the backward in 26-27
-# ms with blocks of 256 or 512 keys, 29 with 128, 33 with one block of 1024)
+# to run at speed (the same five products in torch alone, attention 8 x 1024 x 1024 D64 on
+# a 2-core Xeon: 26-27 ms with blocks of 256 or 512 keys, 29 with 128, 33 with one of 1024)
 BLOCK = 256
 
 
@@ -142,13 +145,12 @@ def _blocks(block, of: ThroughScores, roles: _Roles, values: dict,
     lay = _Layout.of(values[roles.shared[0]], rows)
     run = _Run(of, [t for t in of.terms if t.gradient in wanted],
                {n: lay.laid(values[n].to(acc), vector=True) for n in roles.row_vectors},
-               {n: values[n].to(acc).reshape(lay.k, *values[n].shape[-2:])
-                for n in roles.shared},
-               {n: lay.laid(values[n].to(acc)) for n in of.reads}, {})
+               {n: values[n].reshape(lay.k, *values[n].shape[-2:]) for n in roles.shared},
+               {n: lay.laid(values[n].to(acc)) for n in of.reads}, acc, {})
     grads = run.grads
     grads |= {t.gradient: torch.zeros_like(run.vec[roles.of_input[t.gradient]] if t.rows
-                                           else run.streams[roles.of_input[t.gradient]])
-              for t in run.terms if t.vector}
+                                           else run.streams[roles.of_input[t.gradient]],
+                                           dtype=acc) for t in run.terms if t.vector}
     grads |= {t.gradient: first.new_zeros((lay.k, lay.w), dtype=acc) for t in run.terms
               if not t.vector}
     n, d = run.streams[roles.shared[0]].shape[-2:]
@@ -176,8 +178,9 @@ class _Run:
     of: ThroughScores
     terms: list
     vec: dict  # per-row vectors, k x w x D
-    streams: dict  # shared streams, k x N x D
+    streams: dict  # shared streams, k x N x D, in their own dtype
     per_row: dict  # per-row scalars, k x w (or 0-d)
+    acc: torch.dtype  # the compute dtype
     grads: dict
 
     def block(self, kernel: Kernel, buffers: dict, part: slice, seen: slice, n: int) -> None:
@@ -187,8 +190,11 @@ class _Run:
         laid = {x: b[:k * w * (part.stop - part.start)].view(k, w, -1)
                 for x, b in buffers.items()}
         vec = {a: v[:, seen] for a, v in self.vec.items()}
+        # the shared streams in their dtype, a block at a time in the compute dtype: a
+        # bfloat16 vocabulary head is never copied whole to float32
+        streams = {b: v[:, part].to(self.acc) for b, v in self.streams.items()}
         for s, (a, b) in self.of.scores.items():
-            torch.bmm(vec[a], self.streams[b][:, part].mT, out=laid[s])
+            torch.bmm(vec[a], streams[b].mT, out=laid[s])
         # the kernel reads compact arrays: a slice of the rows is one when k > 1
         given = {r: v[:, seen].contiguous() if v.dim() else v for r, v in self.per_row.items()}
         given |= laid | {self.of.first: float(part.start), self.of.length: float(n)}
@@ -198,7 +204,7 @@ class _Run:
         for t in self.terms:
             g, u, x = self.grads[t.gradient], t.vector, laid[t.coefficient]
             if t.rows and u:
-                g[:, seen].baddbmm_(x, self.streams[u][:, part])
+                g[:, seen].baddbmm_(x, streams[u])
             elif t.rows:
                 g[:, seen] += x.sum(-1)
             else:
