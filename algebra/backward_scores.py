@@ -17,7 +17,8 @@ coefficient the engine's.  That is five products where the row and column kernel
 recompute both scores (eight).
 
 Law: each gradient's summand is ``coefficient * u`` for one vector ``u`` (checked here by
-sympy: the summand less ``coefficient * u`` simplifies to 0, with the scores as symbols),
+the proof's ``is_zero``: the summand less ``coefficient * u`` is 0, case by case of its
+selects, with the scores as symbols),
 and the summands are the proven backward's (``Backward.spec`` and ``Backward.columns``);
 the block map is the same expressions at position ``i + first``.
 
@@ -37,21 +38,19 @@ c__[i] = exp(-m + s_[i]*scale)/d
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import sympy as sp
 
 from .backward import ROLES, Backward
+from .backward_proof import is_zero
 from .cascade import POSITION, Cascade, N
 from .errors import NoBackward
 from .functions import Dot, Where
 from .names import fresh
 from .printing import spec_text
+from .skip import index_bound
 from .spec import parse
-
-_OPS = {sp.LessThan: "<=", sp.StrictLessThan: "<", sp.GreaterThan: ">=",
-        sp.StrictGreaterThan: ">"}
 
 
 @dataclass(frozen=True)
@@ -132,20 +131,12 @@ def _term(gradient: str, body: sp.Expr, along: bool, c: Cascade, per_row: set,
         return None  # two vectors, or a vector every summand of a row shares
     u = outside[0] if outside else sp.S.One
     coefficient = body.xreplace({u: sp.S.One})
-    if not _equal(body, coefficient * u):
+    if not is_zero(body - coefficient * u):
         return None  # not one coefficient times u
     known = per_row | {s.name for s in scores.values()} | {POSITION.name, N.name}
     if any(s.name not in known for s in coefficient.free_symbols):
         return None  # a stream of the positions outside the scores (a per-key bias)
     return gradient, coefficient, u.name if outside else "", along
-
-
-def _equal(a: sp.Expr, b: sp.Expr) -> bool:
-    """``a == b`` by sympy, case by case of their selects' conditions (a select's branch
-    does not simplify through the select: each case is without it)."""
-    conds = sorted({w.args[0] for w in (a - b).atoms(Where)}, key=str)
-    return all(sp.simplify((a - b).xreplace(dict(zip(conds, case, strict=True)))) == 0
-               for case in itertools.product((sp.true, sp.false), repeat=len(conds)))
 
 
 def _assembled(found: list, scores: dict[str, tuple[str, str]], per_row: set,
@@ -156,7 +147,7 @@ def _assembled(found: list, scores: dict[str, tuple[str, str]], per_row: set,
     outputs: list[tuple[str, sp.Expr]] = []
     terms = []
     for gradient, coefficient, vector, along in found:
-        name = next((n for n, e in outputs if _equal(e, coefficient)), None)
+        name = next((n for n, e in outputs if is_zero(e - coefficient)), None)
         if name is None:
             name = fresh("c", taken | {n for n, _ in outputs})
             outputs.append((name, coefficient))
@@ -179,11 +170,9 @@ def _masks(coefficients: list[sp.Expr], per_row: set) -> tuple[tuple[str, sp.Exp
     conds = sorted({w.args[0] for e in coefficients for w in e.atoms(Where)}, key=str)
     out = []
     for cond in conds:
-        if type(cond) not in _OPS:
+        found = index_bound(cond)
+        if found is None or any(s.name not in per_row for s in found[1].free_symbols):
             continue
-        rel = cond if cond.lhs == POSITION else cond.reversed
-        if rel.lhs != POSITION or any(s.name not in per_row for s in rel.rhs.free_symbols):
-            continue
-        if all(sp.simplify(e.xreplace({cond: sp.false})) == 0 for e in coefficients):
-            out.append((_OPS[type(rel)], rel.rhs))
+        if all(is_zero(e.xreplace({cond: sp.false})) for e in coefficients):
+            out.append(found)
     return tuple(out)

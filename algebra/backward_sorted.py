@@ -39,6 +39,7 @@ from .backward import Backward
 from .backward_text import written
 from .cascade import POSITION, Cascade
 from .names import fresh
+from .skip import RELATIONS
 from .spec import parse
 
 # ``e op s[i]`` (s the sorted stream, e a per-row value) -> (how the index compares with
@@ -50,9 +51,7 @@ SIDES = {
     ">=": ("<", "right"),   # s[i] <= e up to the last element not above e
     ">": ("<", "left"),     # s[i] < e up to the last element below e
 }
-_OPS = {sp.LessThan: "<=", sp.StrictLessThan: "<", sp.GreaterThan: ">=",
-        sp.StrictGreaterThan: ">"}
-_INDEX_OPS = {">=": sp.GreaterThan, "<": sp.StrictLessThan}
+_INDEXRELATIONS = {">=": sp.GreaterThan, "<": sp.StrictLessThan}
 _ARITHMETIC = (sp.Symbol, sp.Number, sp.Add, sp.Mul)
 
 
@@ -95,7 +94,7 @@ def sorted_columns(b: Backward) -> SortedColumns | None:
         name = fresh("first" if index_op == ">=" else "last", taken)
         taken.add(name)
         bounds.append(Bound(name, value, index_op, side))
-        swap[cond] = _INDEX_OPS[index_op](POSITION, sp.Symbol(name, real=True))
+        swap[cond] = _INDEXRELATIONS[index_op](POSITION, sp.Symbol(name, real=True))
     reductions = tuple(dataclasses.replace(r, body=r.body.xreplace(swap))
                        for r in c.reductions)
     return SortedColumns(found[0][0], tuple(bounds),
@@ -106,7 +105,7 @@ def _compared(c: Cascade, cond: sp.Basic) -> tuple[str, sp.Expr, str] | None:
     """(stream, e, op) for ``cond`` spelled ``e op stream[i]`` (either side) with a scalar
     stream and ``e`` a sum of products of numbers and per-row values (free of the index
     and of every stream), else None."""
-    if type(cond) not in _OPS:
+    if type(cond) not in RELATIONS:
         return None
     streams = {s.name for s in c.streams}
     scalar = streams - set(c.vector_inputs)
@@ -117,4 +116,4 @@ def _compared(c: Cascade, cond: sp.Basic) -> tuple[str, sp.Expr, str] | None:
         return None
     if any(not isinstance(a, _ARITHMETIC) for a in sp.preorder_traversal(rel.lhs)):
         return None  # its caller computes e with tensors' own arithmetic
-    return rel.rhs.name, rel.lhs, _OPS[type(rel)]
+    return rel.rhs.name, rel.lhs, RELATIONS[type(rel)]

@@ -16,8 +16,13 @@ from __future__ import annotations
 import sympy as sp
 from sympy.logic.boolalg import Boolean
 
+from .cascade import INDEX
 from .components import LinearComponent, ProductComponent, SelectComponent
 from .functions import Where
+
+# sympy's relations as the spec spells them
+RELATIONS = {sp.LessThan: "<=", sp.StrictLessThan: "<", sp.GreaterThan: ">=",
+             sp.StrictGreaterThan: ">"}
 
 
 def skip_conditions(rule) -> list[Boolean]:
@@ -52,3 +57,26 @@ def _element_terms(comp) -> list[tuple[sp.Expr, sp.Expr]] | None:
     if isinstance(comp, ProductComponent):
         return [(comp.factor, sp.S.One)]
     return None
+
+
+def index_bound(cond) -> tuple[str, sp.Expr] | None:
+    """(op, e) for a condition ``i op e`` with ``e`` free of the index (either side),
+    else None.
+
+    Examples
+    --------
+    >>> i, pos = sp.symbols("i pos", real=True)
+    >>> index_bound(pos >= i), index_bound(i <= pos + i)
+    (('<=', pos), None)
+    """
+    if type(cond) not in RELATIONS:
+        return None
+    if getattr(cond.lhs, "name", None) == INDEX:
+        rel = cond
+    elif getattr(cond.rhs, "name", None) == INDEX:
+        rel = cond.reversed
+    else:
+        return None
+    if any(s.name == INDEX for s in rel.rhs.free_symbols):
+        return None
+    return RELATIONS[type(rel)], rel.rhs

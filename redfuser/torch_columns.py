@@ -21,6 +21,7 @@ attention's ``at <= pos[i]``), ``Ranged`` runs it as a range of the stream
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -116,18 +117,36 @@ class Ranged:
         of the stream per row; None where the stream decreases somewhere (or holds a NaN),
         where only the general cascade is right."""
         stream = laid[self.of.stream]  # kept x 1 x (the forward's rows)
-        if not bool((stream[..., 1:] >= stream[..., :-1]).all()):
+        if not non_decreasing(stream):
             return None
         bounds = {b.name: _bound(b, stream[..., 0, :], laid) for b in self.of.bounds}
         return {n: bounds[n] if n in bounds else laid[n] for n in self.ranged.inputs}
 
 
+def non_decreasing(t: torch.Tensor) -> bool:
+    """Does ``t`` not decrease along its last axis anywhere (False with a NaN: a
+    comparison with NaN is false)?"""
+    return bool((t[..., 1:] >= t[..., :-1]).all())
+
+
+def per_row_value(e: sp.Expr, values: dict) -> torch.Tensor:
+    """``e``, an arithmetic expression of per-row values, on the tensors ``values``."""
+    args, f = _lambdified(e)
+    return torch.as_tensor(f(*(values[a] for a in args)))
+
+
+@functools.cache
+def _lambdified(e: sp.Expr) -> tuple[tuple[str, ...], object]:
+    """``e``'s arguments and its Python function, made once per expression (lambdify
+    writes and compiles source: not once per backward call)."""
+    args = sorted(e.free_symbols, key=lambda s: s.name)
+    return tuple(a.name for a in args), sp.lambdify(args, e)
+
+
 def _bound(b, stream: torch.Tensor, laid: dict) -> torch.Tensor:
     """``b``'s parameter for each row: where the index starts (``>=``) or stops (``<``)
     meeting its condition.  A NaN value meets no condition: an empty range."""
-    args = sorted(b.value.free_symbols, key=lambda s: s.name)
-    value = torch.as_tensor(sp.lambdify(args, b.value)(*(laid[a.name] for a in args)),
-                            dtype=stream.dtype)
+    value = per_row_value(b.value, laid).to(stream.dtype)
     value = torch.broadcast_to(value, torch.broadcast_shapes(value.shape,
                                                              (*stream.shape[:-1], 1)))
     seq = stream.expand(*value.shape[:-1], stream.shape[-1]).contiguous()

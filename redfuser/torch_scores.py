@@ -25,13 +25,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-import sympy as sp
 import torch
 
 from algebra.backward_scores import ThroughScores
+from algebra.backward_sorted import SIDES
 
 from .kernel import Kernel, compile
-from .torch_columns import kept_axes
+from .torch_columns import kept_axes, non_decreasing, per_row_value
 
 # the least number of positions a block holds: narrower blocks make the products too thin
 # to run at speed (the same five products in torch alone, attention 8 x 1024 x 1024 D64 on
@@ -143,16 +143,15 @@ def _blocks(block, of: ThroughScores, roles: _Roles, values: dict,
     rows = tuple(torch.broadcast_shapes(*(values[n].shape[:-1] for n in roles.row_vectors)))
     acc = torch.promote_types(first.dtype, torch.float32)
     lay = _Layout.of(values[roles.shared[0]], rows)
-    run = _Run(of, [t for t in of.terms if t.gradient in wanted],
-               {n: lay.laid(values[n].to(acc), vector=True) for n in roles.row_vectors},
-               {n: values[n].reshape(lay.k, *values[n].shape[-2:]) for n in roles.shared},
-               {n: lay.laid(values[n].to(acc)) for n in of.reads}, acc, {})
-    grads = run.grads
-    grads |= {t.gradient: torch.zeros_like(run.vec[roles.of_input[t.gradient]] if t.rows
-                                           else run.streams[roles.of_input[t.gradient]],
-                                           dtype=acc) for t in run.terms if t.vector}
-    grads |= {t.gradient: first.new_zeros((lay.k, lay.w), dtype=acc) for t in run.terms
-              if not t.vector}
+    terms = [t for t in of.terms if t.gradient in wanted]
+    vec = {n: lay.laid(values[n].to(acc), vector=True) for n in roles.row_vectors}
+    streams = {n: values[n].reshape(lay.k, *values[n].shape[-2:]) for n in roles.shared}
+    grads = {t.gradient: first.new_zeros((lay.k, lay.w), dtype=acc) if not t.vector else
+             torch.zeros_like(vec[roles.of_input[t.gradient]] if t.rows
+                              else streams[roles.of_input[t.gradient]], dtype=acc)
+             for t in terms}
+    run = _Run(of, terms, vec, streams, {n: lay.laid(values[n].to(acc)) for n in of.reads},
+               acc, grads)
     n, d = run.streams[roles.shared[0]].shape[-2:]
     step = min(n, max(d, BLOCK))
     # the scores and coefficients of a block, in buffers every block reuses
@@ -186,7 +185,7 @@ class _Run:
     def block(self, kernel: Kernel, buffers: dict, part: slice, seen: slice, n: int) -> None:
         """The positions ``part`` for the rows ``seen``: the scores, the coefficients,
         and each term's product into its gradient."""
-        k, w = len(next(iter(self.vec.values()))), seen.stop - seen.start
+        k, w = len(next(iter(self.vec.values()))), seen.stop - seen.start  # kept, rows
         laid = {x: b[:k * w * (part.stop - part.start)].view(k, w, -1)
                 for x, b in buffers.items()}
         vec = {a: v[:, seen] for a, v in self.vec.items()}
@@ -215,27 +214,22 @@ def _sorted_masks(of: ThroughScores, per_row: dict) -> list[tuple[str, torch.Ten
     """Each mask ``i op e`` of ``of`` with ``e`` per row (k x w) where ``e`` does not
     decrease along the rows of every k (a causal mask's query positions): a block of
     keys then adds only to a range of the rows (``_seen``).  A NaN fails the check."""
-    out = []
-    for op, e in of.masks:
-        args = sorted(e.free_symbols, key=lambda x: x.name)
-        value = torch.as_tensor(sp.lambdify(args, e)(*(per_row[a.name] for a in args)))
-        if value.dim() == 2 and bool((value[:, 1:] >= value[:, :-1]).all()):
-            out.append((op, value.contiguous()))
-    return out
+    values = [(op, per_row_value(e, per_row)) for op, e in of.masks]
+    return [(op, v.contiguous()) for op, v in values if v.dim() == 2 and non_decreasing(v)]
 
 
 def _seen(masks: list, part: slice, w: int) -> slice:
-    """The rows that the keys ``part`` can add to: for each sorted mask, those where its
-    condition holds for at least one key of the block (``i <= e`` for the first key:
-    ``e >= part.start``; ``i >= e`` for the last), over every k."""
+    """The rows that the keys ``part`` can add to, over every k: a mask ``i op e[r]`` read
+    with the rows as the sorted stream is ``SIDES``' ``at op e[r]``, a range of the rows
+    from (``>=``) the first key's bound or up to (``<``) the last key's."""
     lo, hi = 0, w
     for op, e in masks:
-        at = float(part.start if op in ("<=", "<") else part.stop - 1)
-        side = "left" if op in ("<=", ">") else "right"
+        index_op, side = SIDES[op]
+        at = float(part.start if index_op == ">=" else part.stop - 1)
         count = torch.searchsorted(e, torch.full((len(e), 1), at, dtype=e.dtype), side=side)
-        if op in ("<=", "<"):  # rows with e below the block's first key see none of it
+        if index_op == ">=":
             lo = max(lo, int(count.min()))
-        else:  # rows with e above the block's last key see none of it
+        else:
             hi = min(hi, int(count.max()))
     return slice(lo, hi)
 

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import sympy as sp
-
-from algebra.cascade import INDEX
-from algebra.skip import skip_conditions
+from algebra.skip import index_bound, skip_conditions
 
 from ..tvm.ir import T, tirx
 from .steps import all_of
@@ -35,7 +32,7 @@ class MaskSteps:
         and on every element for every row (emit it with ``cond`` true); None if there
         is no such condition.  Tested at the block's two ends."""
         for cond in skip_conditions(self.rule):
-            found = _index_bound(cond)
+            found = index_bound(cond)
             if found is None:
                 continue
             op, bound = found
@@ -56,20 +53,3 @@ def _holds(op: str, i, e, negate: bool = False):
     if negate:
         op = {"<=": ">", "<": ">=", ">=": "<", ">": "<="}[op]
     return {"<=": i <= e, "<": i < e, ">=": i >= e, ">": i > e}[op]
-
-
-def _index_bound(cond) -> tuple[str, sp.Expr] | None:
-    """(op, e) for a condition ``i op e`` with e free of the index (either side), else None."""
-    ops = {sp.LessThan: "<=", sp.StrictLessThan: "<", sp.GreaterThan: ">=",
-           sp.StrictGreaterThan: ">"}
-    if type(cond) not in ops:
-        return None
-    if getattr(cond.lhs, "name", None) == INDEX:
-        rel = cond
-    elif getattr(cond.rhs, "name", None) == INDEX:
-        rel = cond.reversed
-    else:
-        return None
-    if any(s.name == INDEX for s in rel.rhs.free_symbols):
-        return None
-    return ops[type(rel)], rel.rhs
