@@ -42,6 +42,17 @@ from .errors import NoBackward
 from .functions import Dot, Where
 from .names import fresh
 
+# Functions simplify must not rewrite: each is held as an opaque symbol while it runs.
+OPAQUE = (
+    # abs' with torch's abs'(0) = 0: simplify writes it as a Piecewise of u / |u| and
+    # Eq(u, 0), which no select case fixes (mad's backward: unproven after 38 s)
+    sp.sign,
+    # tanh' = 1 - tanh**2: simplify writes it with cosh and sinh, which the spec language
+    # spells with tanh again as sinh(2u) = tanh(2u) / sqrt(1 - tanh(2u)**2): 0 / 0 once
+    # tanh rounds to 1 (a softcap's dc was inf past |u| = 4.5 in float32)
+    sp.tanh,
+)
+
 NOT_LINEAR = ("vector result {name}: `{expr}` is not linear in one feature vector per term "
               "(only such results are contracted with their upstream gradient)")
 
@@ -158,9 +169,8 @@ def simplified(e: sp.Expr, tidy=sp.simplify) -> sp.Expr:
     relational condition numerically (``i <= pos``: 1.4 of causal_attention's 3.3 s
     backward), which the branches do not hold.  Where a branch is written every select of
     that condition takes it, so both cases are the cases the proof takes
-    (``backward_proof.is_zero``).  ``sign(u)`` (abs' with torch's abs'(0) = 0) is held as
-    it is: simplify writes it as a Piecewise of ``u / |u|`` and ``Eq(u, 0)``, which no
-    select case fixes (mad's backward: an unproven gradient after 38 s).
+    (``backward_proof.is_zero``).  The functions of ``OPAQUE`` are held as they are, each
+    for the reason its row gives.
 
     Examples
     --------
@@ -170,10 +180,10 @@ def simplified(e: sp.Expr, tidy=sp.simplify) -> sp.Expr:
     >>> simplified(-2 * sp.sign(p - x) / 2)
     -sign(pos - x)
     """
-    signs = {s: sp.Dummy("sign", real=True) for s in e.atoms(sp.sign)}
-    if signs:
-        held = simplified(e.xreplace(signs), tidy)
-        return held.xreplace({d: s for s, d in signs.items()})
+    opaque = {s: sp.Dummy(type(s).__name__, real=True) for s in e.atoms(*OPAQUE)}
+    if opaque:
+        held = simplified(e.xreplace(opaque), tidy)
+        return held.xreplace({d: s for s, d in opaque.items()})
     conditions = {w.args[0] for w in e.atoms(Where)}
     if len(conditions) != 1:
         return tidy(e)

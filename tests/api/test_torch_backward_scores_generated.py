@@ -1,6 +1,6 @@
 """Generated attention variants through the scores (``algebra.backward_scores``): a score
 transform users ask for one variant at a time (a temperature, a bias linear in the key's
-position: ALiBi's) times a mask (none, causal, its mirror), every
+position: ALiBi's, a tanh softcap) times a mask (none, causal, its mirror), every
 gradient (q, k, v and the learned scalars) against central differences of the float64
 oracle (``redfuser.reference`` of the forward spec, not the code under test).
 
@@ -15,6 +15,7 @@ import itertools
 from unittest import mock
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -25,10 +26,10 @@ from tests.support import central_differences, examples
 
 STEP, TOL = 1e-5, 2e-3
 ROWS, D = (3,), 3
-# Not yet a tanh softcap (c * tanh(dot(q, k[i, :]) / c)): this test found its dc wrong
-# where tanh(2 s / c) rounds to 1 in float32 (|s / c| > 4.5): sympy's simplify writes the
-# derivative with sqrt(1 - tanh(2 s / c)**2) in a denominator, 0 there (inf or NaN).
-TRANSFORMS = ("dot(q, k[i, :]) * t", "dot(q, k[i, :]) * t + a * i")
+# The softcap's c is drawn small enough that tanh saturates in float32 on some keys
+# (|s / c| > 4.5): its dc was inf there once (algebra.backward_vectors.OPAQUE).
+TRANSFORMS = ("dot(q, k[i, :]) * t", "dot(q, k[i, :]) * t + a * i",
+              "c * tanh(dot(q, k[i, :]) / c)")
 MASKS = (None, "i <= p", "i >= p")
 _names = itertools.count()
 
@@ -47,7 +48,7 @@ def _inputs(spec: str, n: int, rng: np.random.Generator) -> dict:
     (the mask's positions), so the rows the blocks reach are narrowed too."""
     out = {"q": rng.normal(size=(*ROWS, D)), "k": rng.normal(size=(1, n, D)),
            "v": rng.normal(size=(1, n, D)), "t": rng.uniform(0.5, 1.5, ROWS),
-           "a": rng.uniform(-0.5, 0.5, ROWS),
+           "a": rng.uniform(-0.5, 0.5, ROWS), "c": rng.uniform(0.1, 2.0, ROWS),
            "p": np.sort(rng.integers(0, n, ROWS)).astype(float)}
     return {k: v.astype(np.float32) for k, v in out.items()}
 
@@ -58,8 +59,21 @@ def _inputs(spec: str, n: int, rng: np.random.Generator) -> dict:
 def test_generated_attention_variants_match_differences_of_the_oracle(transform, mask, n,
                                                                       seed):
     spec, rng = _spec(transform, mask), np.random.default_rng(seed)
+    _check(spec, _inputs(spec, n, rng), rng)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_a_saturated_softcap_has_a_finite_scale_gradient(n):
+    """|s / c| up to 40: tanh is 1 in float32 on most keys, where the scale's gradient
+    was once 0 / 0 (module comment on TRANSFORMS)."""
+    spec, rng = _spec(TRANSFORMS[2], None), np.random.default_rng(n)
+    inputs = _inputs(spec, n, rng)
+    _check(spec, inputs | {"q": 4 * inputs["q"], "c": np.full(ROWS, 0.2, np.float32)}, rng)
+
+
+def _check(spec: str, inputs: dict, rng: np.random.Generator) -> None:
     op = rt.op(spec, name=f"generated_scores_{next(_names)}", tune=False)
-    inputs = {k: v for k, v in _inputs(spec, n, rng).items() if k in op.inputs}
+    inputs = {k: v for k, v in inputs.items() if k in op.inputs}
     upstream = {"o": rng.normal(size=(*ROWS, D))}
     leaves = {k: torch.tensor(v, requires_grad=k != "p") for k, v in inputs.items()}
     outs = op(*(leaves[k] for k in op.inputs))
