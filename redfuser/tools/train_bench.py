@@ -12,6 +12,10 @@ of ``repeat`` steps after two warm-up steps, and the peak memory the steps add t
 inputs hold (Linux's high-water mark of the resident set, reset after the warm-up:
 ``/proc/self/clear_refs``).  Ratios are printed
 from this one run (the machines are shared and noisy).
+
+Every process, redfuser's and torch's alike, runs with ``PROCESS_ENV`` (each row says
+why; torch is no slower with them, so it is timed at its best); ``--defaults`` leaves the
+environment as it is.
 """
 
 from __future__ import annotations
@@ -50,6 +54,18 @@ WORKLOADS = {
                                     "label": ("labels", (4096, 32000))}),
 }
 IMPLS = ("redfuser", "torch", "torch.compile")
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+# (variable, value, why): measured on a 2-core Emerald Rapids Xeon, one run each
+PROCESS_ENV = (
+    # a step writes fresh outputs and gradients of 64 MB and more: with 4 KB pages the
+    # first touch of each page costs about what the step's own work does (torch's
+    # LayerNorm step 29 ms, 17 ms with 2 MB pages); applied only where the host offers them
+    ("THP_MEM_ALLOC_ENABLE", "1", "torch's CPU allocator asks for 2 MB pages"),
+    # libgomp's idle workers spin 300000 pauses (~10 ms on this CPU) after each of torch's
+    # parallel ops, on the cores TVM's pool then runs on: attention's block map took 11-14
+    # ms against 4; torch's SDPA step is the same either way (39-41 ms)
+    ("GOMP_SPINCOUNT", "1000", "torch's idle OpenMP workers sleep soon after an op"),
+)
 
 
 def _inputs(torch, spec: dict, scale: float) -> dict:
@@ -147,25 +163,41 @@ def case(workload: str, impl: str, scale: float, repeat: int) -> dict:
     return {"ms": times[len(times) // 2], "peak_mb": (_status("VmHWM") - base) / 2**20}
 
 
-def _in_subprocess(workload: str, impl: str, scale: float, repeat: int) -> dict | str:
+def process_env() -> dict[str, str]:
+    """``PROCESS_ENV`` as variables, less huge pages where the kernel never hands them out
+    (``/sys/kernel/mm/transparent_hugepage/enabled`` reads ``[never]``)."""
+    try:
+        with open(THP) as f:
+            huge = "[never]" not in f.read()
+    except OSError:
+        huge = False
+    return {k: v for k, v, _ in PROCESS_ENV if huge or k != "THP_MEM_ALLOC_ENABLE"}
+
+
+def _in_subprocess(workload: str, impl: str, scale: float, repeat: int,
+                   env: dict[str, str]) -> dict | str:
     cmd = [sys.executable, "-m", "redfuser.tools.train_bench", "--case", workload, impl,
            "--scale", str(scale), "--repeat", str(repeat)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ | env)
     if done.returncode != 0:
         return (done.stderr.strip().splitlines() or ["failed"])[-1]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(scale: float, repeat: int, with_compile: bool, only: list[str] | None = None) -> None:
+def run(scale: float, repeat: int, with_compile: bool, only: list[str] | None = None,
+        defaults: bool = False) -> None:
     impls = IMPLS if with_compile else IMPLS[:2]
+    env = {} if defaults else process_env()
     print(f"training step (forward + backward), float32, CPU, scale {scale}; median of "
-          f"{repeat}; peak = memory the step adds to its inputs", flush=True)
+          f"{repeat}; peak = memory the step adds to its inputs; "
+          f"environment {' '.join(f'{k}={v}' for k, v in env.items()) or 'as it is'}",
+          flush=True)
     head = "".join(f"{i + ' ms':>16}{i + ' MB':>16}" for i in impls)
     print(f"{'workload':<26}{head}{'vs torch':>10}{'mem ratio':>11}", flush=True)
     for workload in WORKLOADS:
         if only and not any(o in workload for o in only):
             continue
-        results = {i: _in_subprocess(workload, i, scale, repeat) for i in impls}
+        results = {i: _in_subprocess(workload, i, scale, repeat, env) for i in impls}
         cells = "".join(f"{r['ms']:>16.2f}{r['peak_mb']:>16.1f}" if isinstance(r, dict)
                         else f"{'error':>32}" for r in results.values())
         ours, theirs = results["redfuser"], results["torch"]
@@ -185,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--compile", action="store_true", help="also time torch.compile")
     p.add_argument("--only", nargs="*", default=None, help="workloads whose name contains one")
+    p.add_argument("--defaults", action="store_true",
+                   help="leave the environment as it is (no PROCESS_ENV)")
     p.add_argument("--case", nargs=2, metavar=("WORKLOAD", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.case:
         print(json.dumps(case(*args.case, args.scale, args.repeat)))
         return 0
-    run(args.scale, args.repeat, args.compile, args.only)
+    run(args.scale, args.repeat, args.compile, args.only, args.defaults)
     return 0
 
 
