@@ -47,7 +47,6 @@ from functools import partial
 import torch
 
 from algebra import FusionRule, NoBackward, derive
-from algebra.backward_logits import through_logits
 from algebra.backward_scores import through_scores
 from algebra.backward_shared import scalar_gradients, shared_sums, without
 from algebra.backward_sorted import sorted_columns
@@ -56,7 +55,6 @@ from algebra.stages import StagedRule
 from .kernel import Kernel
 from .torch_columns import Ranged
 from .torch_gradient import Gradient, Shared
-from .torch_logits import LogitsBackward, logits_backward
 from .torch_scores import ScoresBackward, scores_backward
 from .torch_shapes import output_specs
 
@@ -230,9 +228,8 @@ def _backward_of(rule: FusionRule, name: str, scalars, options) -> Gradient | st
     maps = {g: e for g, e in derived.maps.items() if kernel is None or g not in kernel.outputs}
     columns = _columns(derived, name, options) if derived.columns else None
     shared = None if kernel is None else _shared(derived, name, scalars, options)
-    logits = _logits(derived, name, options)
     return Gradient(derived, kernel, Gradient.maps_of(derived, maps), columns, shared,
-                    logits, None if logits else _scores(derived, name, options))
+                    _scores(derived, name, options))
 
 
 def _scores(derived, name: str, options: dict) -> ScoresBackward | None:
@@ -263,16 +260,6 @@ def _columns(derived, name: str, options: dict) -> CascadeOp:
     torch_op.register_fake(general.torch_op)  # the same outputs: the general op's fake
     return dataclasses.replace(general, name=f"{name}_backward_columns_ranged",
                                torch_op=torch_op)
-
-
-def _logits(derived, name: str, options: dict) -> LogitsBackward | None:
-    """``<name>_backward_logits`` where the loss reads its inputs only through the logits
-    (``algebra.backward_logits``: three GEMMs where the kernels recompute them twice)."""
-    of = through_logits(derived)
-    if of is None:
-        return None
-    grads = (derived.gradients[of.row][0], derived.gradients[of.shared][0])
-    return logits_backward(of, name, grads, NAMESPACE, **options)
 
 
 def _shared(derived, name: str, scalars, options) -> Shared | None:

@@ -31,10 +31,11 @@ class CascadeOp(Protocol):
     def __call__(self, *args) -> tuple: ...
 
 
-class LogitsRun(Protocol):
-    """What a backward runs of ``redfuser.torch_logits.LogitsBackward``."""
+class ScoresRun(Protocol):
+    """What a backward runs of ``redfuser.torch_scores.ScoresBackward``."""
 
     inputs: tuple[str, ...]
+    gradients: tuple[str, ...]
 
     def applies(self, values: dict, needed: set[str]) -> bool: ...
 
@@ -110,8 +111,7 @@ class Gradient:
     maps: dict = dataclasses.field(default_factory=dict)
     columns: CascadeOp | None = None  # gradients summed over the rows (``torch_columns``)
     shared: Shared | None = None  # gradients of inputs every row shares, summed over them
-    logits: LogitsRun | None = None  # dh and dw through the logits (``torch_logits``)
-    scores: LogitsRun | None = None  # dq, dk, dv through the scores (``torch_scores``)
+    scores: ScoresRun | None = None  # dq, dk, dv through the scores (``torch_scores``)
 
     @staticmethod
     def maps_of(derived: Backward, maps: dict) -> dict:
@@ -135,7 +135,7 @@ class Gradient:
         inputs and outputs among them are all it has to save (softmax: y and d, not x)."""
         ops = (self.op, self.columns, *((self.shared.sums, self.shared.rows) if self.shared
                                         else ()))
-        names = {n for o in (*ops, self.logits, self.scores) if o is not None
+        names = {n for o in (*ops, self.scores) if o is not None
                  for n in o.inputs}
         names |= {a for _, args in self.maps.values() for a, _ in args}
         names |= {o for _, o in self.derived.dots.values()}
@@ -145,20 +145,22 @@ class Gradient:
     def run(self, values: dict, needed: set[str]) -> dict:
         """Gradient name -> tensor, from the backward's inputs by name: the backward
         cascade's kernel (all of its outputs in its one pass), the ``needed`` maps, and the
-        other orientation's kernel where a gradient needs it; dh and dw through the
-        logits where they are all that is needed, and through the scores where they
-        are."""
-        if self.logits is not None and self.logits.applies(values, needed):
-            return self.logits.run(values, needed)
+        other orientation's kernel where a gradient needs it; through the scores
+        (attention's dq, dk, dv; the LM head's dh, dw) where those and maps are all that
+        is needed."""
         for delta, (up, o) in self.derived.dots.items():  # FlashAttention's rowsum(dO * O)
             # a per-row statistic: summed in float32 at least, as the kernels' sums are
             acc = torch.promote_types(values[o].dtype, torch.float32)
             values[delta] = (values[up].to(acc) * values[o].to(acc)).sum(-1)
-        if self.scores is not None and self.scores.applies(values, needed):
-            return self.scores.run(values, needed)
         length = _length(self.derived, values)
         stream = values[self.derived.forward.streams[0].name]
         values[N.name] = torch.tensor(float(length), dtype=stream.dtype)  # maps read N
+        if self.scores is not None:
+            through = needed & set(self.scores.gradients)
+            if through and needed - through <= set(self.maps) and self.scores.applies(
+                    values, through):  # a z-loss weight's gradient: a map beside them
+                return self.scores.run(values, through) | self._mapped(
+                    values, needed - through, length)
         for s in self.derived.selections:
             values |= _selected(s, values, length)
         summed = self.shared.summed(self.derived, values, needed) if self.shared else set()
@@ -170,10 +172,7 @@ class Gradient:
                            strict=True))
         if summed:
             out |= self.shared.run(self.derived, values)
-        out |= _along_the_row(self.derived, {
-            name: f(*(_per_element(values[a], axis) for a, axis in args))
-            for name, (f, args) in self.maps.items() if name in needed - summed}, values,
-            length)
+        out |= self._mapped(values, needed - summed, length)
         if self.columns is not None and needed & set(self.columns.outputs):
             laid = column_values(self.derived, values | out, self.columns.inputs,
                                  _rows(self.derived, values))
@@ -181,6 +180,12 @@ class Gradient:
             out |= {g: column_gradient(t, values[of[g]].shape) for g, t in
                     zip(self.columns.outputs, self.columns(*laid.values()), strict=True)}
         return out
+
+    def _mapped(self, values: dict, names: set[str], length: int) -> dict:
+        """The maps of ``names`` (those no kernel computes), by torch."""
+        return _along_the_row(self.derived, {
+            name: f(*(_per_element(values[a], axis) for a, axis in args))
+            for name, (f, args) in self.maps.items() if name in names}, values, length)
 
 
 def _selected(s: Selection, values: dict, length: int) -> dict:

@@ -1,7 +1,7 @@
-"""linear_cross_entropy's backward through its logits (``redfuser.torch_logits``): dh and
-dw from the derived logits' gradient and three GEMMs over blocks of the vocabulary,
-against torch's autograd of ``F.cross_entropy(h @ w.T)`` in float64 (the tolerance of
-tests/support/gradients.py: float32 GEMMs and kernels)."""
+"""linear_cross_entropy's backward through its scores (``redfuser.torch_scores``: the
+logits ``dot(h, w[i, :])``): dh and dw from the derived coefficients and three GEMMs over
+blocks of the vocabulary, against torch's autograd of ``F.cross_entropy(h @ w.T)`` in
+float64 (the tolerance of tests/support/gradients.py: float32 GEMMs and kernels)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import torch
 import torch.nn.functional as F
 
 import redfuser.torch as rt
-from redfuser import torch_logits
+from redfuser import torch_scores
 from tests.support.gradients import assert_gradients_match
 
-# (rows, vocab, d): a block is d vocabulary rows, so 37 makes ten blocks, the last of one
-ROWS, VOCAB, D = 5, 37, 4
+# (rows, vocab, d): a block is torch_scores.BLOCK vocabulary rows, so a vocabulary of two
+# blocks and one more row makes three, the last of one
+ROWS, VOCAB, D = 5, 2 * torch_scores.BLOCK + 1, 4
 
 
 def _problem(seed: int, dtype=torch.float32):
@@ -45,16 +46,16 @@ def _op_grads(h, w, label, upstream, want=("h", "w"), compiled=False):
         return op(h, w, label)[op.outputs.index("loss")]
 
     run = torch.compile(loss, fullgraph=True) if compiled else loss
-    # the op's blocks, not LogitsBackward.run: a compiled backward calls the registered op
-    # itself, and traces LogitsBackward.run only when AOTAutograd has no cached graph
-    with mock.patch.object(torch_logits, "_blocks", side_effect=torch_logits._blocks) as spy:
+    # the op's blocks, not ScoresBackward.run: a compiled backward calls the registered op
+    # itself, and traces ScoresBackward.run only when AOTAutograd has no cached graph
+    with mock.patch.object(torch_scores, "_blocks", side_effect=torch_scores._blocks) as spy:
         run(leaves["h"], leaves["w"], label.float()).backward(upstream)
-    assert spy.called, "the backward did not run through the logits"
+    assert spy.called, "the backward did not run through the scores"
     return {n: leaves[n].grad for n in ("h", "w")}
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_gradients_through_the_logits_match_torch_autograd(compiled):
+def test_gradients_through_the_scores_match_torch_autograd(compiled):
     h, w, label, upstream = _problem(1)
     got = _op_grads(h, w, label, upstream, compiled=compiled)
     assert_gradients_match(got, _torch_grads(h, w, label, upstream), "linear_cross_entropy")
@@ -91,18 +92,18 @@ def test_low_precision_gradients_are_rounded_once(dtype):
         assert (got[n].double() - want[n]).abs().max() <= 2 * torch.finfo(dtype).eps * scale
 
 
-def test_a_learned_scalar_of_the_loss_takes_the_kernels():
-    """A z-loss weight that requires grad is not dh or dw: the backward runs the derived
-    kernels (dzc summed over the rows), and still gives torch's gradients."""
+def test_a_learned_scalar_of_the_loss_runs_through_the_scores_too():
+    """A z-loss weight that requires grad: its gradient is a row's sum of one more
+    coefficient of the same block map (dzc summed over the rows by the op's caller)."""
     spec = ("s = dot(h, w[i, :])\nm = max(s)\nlse = log(sum(exp(s - m))) + m\n"
             "loss = lse - sum(where(i == label, s, 0)) + zc * lse**2")
     op = rt.op(spec, name="lce_learned_zloss", tune=False)
     h, w, label, upstream = _problem(5)
     leaves = {"h": h.clone().requires_grad_(), "w": w.clone().requires_grad_(),
               "zc": torch.tensor(0.01, requires_grad=True), "label": label.float()}
-    with mock.patch.object(torch_logits, "_blocks") as spy:
+    with mock.patch.object(torch_scores, "_blocks", side_effect=torch_scores._blocks) as spy:
         op(*(leaves[n] for n in op.inputs))[op.outputs.index("loss")].backward(upstream)
-    assert not spy.called
+    assert spy.called
     ref = {n: leaves[n].detach().double().requires_grad_() for n in ("h", "w", "zc")}
     logits = ref["h"] @ ref["w"].T
     lse = torch.logsumexp(logits, -1)
