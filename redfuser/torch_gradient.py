@@ -157,10 +157,10 @@ class Gradient:
         values[N.name] = torch.tensor(float(length), dtype=stream.dtype)  # maps read N
         if self.scores is not None:
             through = needed & set(self.scores.gradients)
-            if through and needed - through <= set(self.maps) and self.scores.applies(
-                    values, through):  # a z-loss weight's gradient: a map beside them
-                return self.scores.run(values, through) | self._mapped(
-                    values, needed - through, length)
+            beside = needed - through  # maps of what is at hand (a z-loss weight's)
+            if through and all(m in self.maps and all(a in values for a, _ in self.maps[m][1])
+                               for m in beside) and self.scores.applies(values, through):
+                return self.scores.run(values, through) | self._mapped(values, beside, length)
         for s in self.derived.selections:
             values |= _selected(s, values, length)
         summed = self.shared.summed(self.derived, values, needed) if self.shared else set()
