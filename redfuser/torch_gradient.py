@@ -111,7 +111,7 @@ class Gradient:
     maps: dict = dataclasses.field(default_factory=dict)
     columns: CascadeOp | None = None  # gradients summed over the rows (``torch_columns``)
     shared: Shared | None = None  # gradients of inputs every row shares, summed over them
-    scores: ScoresRun | None = None  # dq, dk, dv through the scores (``torch_scores``)
+    scores: ScoresRun | None = None  # dq, dk, dv (dh, dw) through the scores (torch_scores)
 
     @staticmethod
     def maps_of(derived: Backward, maps: dict) -> dict:
