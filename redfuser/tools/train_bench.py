@@ -192,14 +192,14 @@ def run(scale: float, repeat: int, with_compile: bool, only: list[str] | None = 
           f"{repeat}; peak = memory the step adds to its inputs; "
           f"environment {' '.join(f'{k}={v}' for k, v in env.items()) or 'as it is'}",
           flush=True)
-    head = "".join(f"{i + ' ms':>16}{i + ' MB':>16}" for i in impls)
+    head = "".join(f"{i + ' ms':>18}{i + ' MB':>18}" for i in impls)
     print(f"{'workload':<26}{head}{'vs torch':>10}{'mem ratio':>11}", flush=True)
     for workload in WORKLOADS:
         if only and not any(o in workload for o in only):
             continue
         results = {i: _in_subprocess(workload, i, scale, repeat, env) for i in impls}
-        cells = "".join(f"{r['ms']:>16.2f}{r['peak_mb']:>16.1f}" if isinstance(r, dict)
-                        else f"{'error':>32}" for r in results.values())
+        cells = "".join(f"{r['ms']:>18.2f}{r['peak_mb']:>18.1f}" if isinstance(r, dict)
+                        else f"{'error':>36}" for r in results.values())
         ours, theirs = results["redfuser"], results["torch"]
         ratio = mem = ""
         if isinstance(ours, dict) and isinstance(theirs, dict):
