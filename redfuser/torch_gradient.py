@@ -219,8 +219,11 @@ def _along_the_row(derived: Backward, maps: dict, values: dict, length: int) -> 
 
 
 def _length(derived: Backward, values: dict) -> int:
-    """The forward's stream length N, from a stream input."""
-    return values[derived.forward.streams[0].name].shape[-1]
+    """The forward's stream length N, from a stream input: its last axis, or the one
+    before its features for a vector stream (an LM head's ``w[i, :]``: N the vocabulary,
+    not D)."""
+    name = derived.forward.streams[0].name
+    return values[name].shape[-2 if name in derived.forward.vector_inputs else -1]
 
 
 def _rows(derived: Backward, values: dict) -> tuple[int, ...]:

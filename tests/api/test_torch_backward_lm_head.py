@@ -111,3 +111,37 @@ def test_a_learned_scalar_of_the_loss_runs_through_the_scores_too():
         upstream.double())
     assert_gradients_match({n: leaves[n].grad for n in ref}, {n: ref[n].grad for n in ref},
                            "lce_learned_zloss")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_learned_statistics_of_the_loss_run_through_the_scores(compiled):
+    """Label smoothing ``ls`` (a row's sum of one more coefficient) and a z-loss weight
+    ``zc`` (a map beside the scores) learned, with an ignored row and the argmax beside:
+    every gradient against torch's float64 autograd, through the scores."""
+    spec = ("s = dot(h, w[i, :])\nm = max(s)\nlse = log(sum(exp(s - m))) + m\n"
+            "nll = lse - (1 - ls) * sum(where(i == label, s, 0)) - ls * sum(s) / N\n"
+            "loss = where(label >= 0, nll + zc * lse**2, 0)\npred = argmax(s)")
+    op = rt.op(spec, name="lce_learned_statistics", tune=False)
+    h, w, label, upstream = _problem(6)
+    label[1] = -100  # an ignored row
+    leaves = {"h": h.clone().requires_grad_(), "w": w.clone().requires_grad_(),
+              "ls": torch.tensor(0.1, requires_grad=True),
+              "zc": torch.tensor(0.01, requires_grad=True), "label": label.float()}
+
+    def loss(*args):
+        return op(*args)[op.outputs.index("loss")]
+
+    run = torch.compile(loss, fullgraph=True) if compiled else loss
+    with mock.patch.object(torch_scores, "_blocks", side_effect=torch_scores._blocks) as spy:
+        run(*(leaves[n] for n in op.inputs)).backward(upstream)
+    assert spy.called
+    ref = {n: leaves[n].detach().double().requires_grad_() for n in ("h", "w", "ls", "zc")}
+    logits = ref["h"] @ ref["w"].T
+    lse = torch.logsumexp(logits, -1)
+    picked = logits.gather(-1, label.clamp(min=0)[:, None])[:, 0]
+    nll = lse - (1 - ref["ls"]) * picked - ref["ls"] * logits.mean(-1)
+    torch.where(label >= 0, nll + ref["zc"] * lse ** 2, torch.zeros_like(nll)).backward(
+        upstream.double())
+    assert_gradients_match({n: leaves[n].grad for n in ref}, {n: ref[n].grad for n in ref},
+                           "lce_learned_statistics")
+    assert (leaves["h"].grad[1] == 0).all()
