@@ -48,7 +48,10 @@ def column_values(derived: Backward, values: dict, names: tuple[str, ...],
     n, last = values[shared[0]].shape[-2], len(rows)
     vectors = set(c.vector_inputs) | {u for o, u in derived.upstream.items()
                                       if o in vector_results(c)}
-    own = {s.name for s in c.streams} - set(shared)  # streams each row holds its own of
+    # per-element values each row holds its own of: streams, and a selection's selector
+    # (a max's subgradient that is not only a stabiliser: an attention sink's m)
+    own = ({s.name for s in c.streams} - set(shared)) | {s.selector for s in
+                                                          derived.selections}
     role = {r: p for p, r in derived.column_params.items()}
     out = {}
     for name in names:

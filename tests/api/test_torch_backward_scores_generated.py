@@ -71,7 +71,25 @@ def test_a_saturated_softcap_has_a_finite_scale_gradient(n):
     _check(spec, inputs | {"q": 4 * inputs["q"], "c": np.full(ROWS, 0.2, np.float32)}, rng)
 
 
-def _check(spec: str, inputs: dict, rng: np.random.Generator) -> None:
+# A learned scalar of the normaliser: an attention sink's logit (m then selects, not only
+# stabilises: its subgradient is a per-element value of the other orientation's kernel,
+# which once crashed there), and a term of the denominator. Not coefficients times one
+# vector: the backward runs the kernels.
+NORMALISERS = ("s = dot(q, k[i, :]) * t\nm = max(s)\nd = sum(exp(s - m)) + exp(a - m)\n"
+               "o = sum(exp(s - m) * v[i, :]) / d",
+               "s = dot(q, k[i, :]) * t\nm = max(s)\nd = sum(exp(s - m))\n"
+               "o = sum(exp(s - m) * v[i, :]) / (d + a * a)")
+
+
+@pytest.mark.parametrize("n", [1, 4, 300])
+@pytest.mark.parametrize("spec", NORMALISERS)
+def test_a_learned_scalar_of_the_normaliser(spec, n):
+    rng = np.random.default_rng(n)
+    _check(spec, _inputs(spec, n, rng), rng, through_scores=False)
+
+
+def _check(spec: str, inputs: dict, rng: np.random.Generator,
+           through_scores: bool = True) -> None:
     op = rt.op(spec, name=f"generated_scores_{next(_names)}", tune=False)
     inputs = {k: v for k, v in inputs.items() if k in op.inputs}
     upstream = {"o": rng.normal(size=(*ROWS, D))}
@@ -80,7 +98,7 @@ def _check(spec: str, inputs: dict, rng: np.random.Generator) -> None:
     assume(torch.isfinite(outs[op.outputs.index("o")]).all())  # a row that sees no key
     with mock.patch.object(torch_scores, "_blocks", side_effect=torch_scores._blocks) as spy:
         (outs[op.outputs.index("o")].double() * torch.tensor(upstream["o"])).sum().backward()
-    assert spy.called, f"{spec!r}: the backward did not run through the scores"
+    assert spy.called == through_scores, f"{spec!r}: through the scores: {spy.called}"
     for name in (k for k in inputs if k != "p"):
         want = central_differences(spec, inputs, upstream, name, STEP, rows=ROWS)
         got = leaves[name].grad.double().numpy()
