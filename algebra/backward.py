@@ -362,7 +362,7 @@ def _sweep(sw: _Sweep, seeds: dict[str, sp.Expr], up: dict[str, sp.Symbol]) -> l
         if a == Adjoint() and red.op not in STABILISERS:  # no gradient reaches it (an index)
             continue
         if red.op in STABILISERS:
-            if not a.vanishes():
+            if not a.vanishes({sw.sym[e]: x for e, x in c.epilogues.items() if e in sw.sym}):
                 raise _Selects(name)
             stabilisers.append(name)
             continue

@@ -71,21 +71,22 @@ def test_a_saturated_softcap_has_a_finite_scale_gradient(n):
     _check(spec, inputs | {"q": 4 * inputs["q"], "c": np.full(ROWS, 0.2, np.float32)}, rng)
 
 
-# A learned scalar of the normaliser: an attention sink's logit (m then selects, not only
-# stabilises: its subgradient is a per-element value of the other orientation's kernel,
-# which once crashed there), and a term of the denominator. Not coefficients times one
-# vector: the backward runs the kernels.
-NORMALISERS = ("s = dot(q, k[i, :]) * t\nm = max(s)\nd = sum(exp(s - m)) + exp(a - m)\n"
-               "o = sum(exp(s - m) * v[i, :]) / d",
-               "s = dot(q, k[i, :]) * t\nm = max(s)\nd = sum(exp(s - m))\n"
-               "o = sum(exp(s - m) * v[i, :]) / (d + a * a)")
+# A learned scalar of the normaliser, and whether the backward runs through the scores:
+# an attention sink's logit (m stabilises once d is read as d_sum + exp(a - m): the
+# coefficients are attention's, the sink's gradient a map beside them), and a term added
+# after the stabiliser (m selects: its subgradient is a per-element value of the other
+# orientation's kernel, which once crashed there; not coefficients times one vector).
+NORMALISERS = (("s = dot(q, k[i, :]) * t\nm = max(s)\nd = sum(exp(s - m)) + exp(a - m)\n"
+                "o = sum(exp(s - m) * v[i, :]) / d", True),
+               ("s = dot(q, k[i, :]) * t\nm = max(s)\nd = sum(exp(s - m))\n"
+                "o = sum(exp(s - m) * v[i, :]) / (d + a * a)", False))
 
 
 @pytest.mark.parametrize("n", [1, 4, 300])
-@pytest.mark.parametrize("spec", NORMALISERS)
-def test_a_learned_scalar_of_the_normaliser(spec, n):
+@pytest.mark.parametrize("spec, through", NORMALISERS)
+def test_a_learned_scalar_of_the_normaliser(spec, through, n):
     rng = np.random.default_rng(n)
-    _check(spec, _inputs(spec, n, rng), rng, through_scores=False)
+    _check(spec, _inputs(spec, n, rng), rng, through_scores=through)
 
 
 def _check(spec: str, inputs: dict, rng: np.random.Generator,
