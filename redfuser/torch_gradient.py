@@ -135,8 +135,7 @@ class Gradient:
         inputs and outputs among them are all it has to save (softmax: y and d, not x)."""
         ops = (self.op, self.columns, *((self.shared.sums, self.shared.rows) if self.shared
                                         else ()))
-        names = {n for o in (*ops, self.scores) if o is not None
-                 for n in o.inputs}
+        names = {n for o in (*ops, self.scores) if o is not None for n in o.inputs}
         names |= {a for _, args in self.maps.values() for a, _ in args}
         names |= {o for _, o in self.derived.dots.values()}
         return frozenset(names | {n for s in self.derived.selections
@@ -158,8 +157,8 @@ class Gradient:
         if self.scores is not None:
             through = needed & set(self.scores.gradients)
             beside = needed - through  # maps of what is at hand (a z-loss weight's)
-            if through and all(m in self.maps and all(a in values for a, _ in self.maps[m][1])
-                               for m in beside) and self.scores.applies(values, through):
+            if through and self._at_hand(beside, values) and self.scores.applies(
+                    values, through):
                 return self.scores.run(values, through) | self._mapped(values, beside, length)
         for s in self.derived.selections:
             values |= _selected(s, values, length)
@@ -180,6 +179,12 @@ class Gradient:
             out |= {g: column_gradient(t, values[of[g]].shape) for g, t in
                     zip(self.columns.outputs, self.columns(*laid.values()), strict=True)}
         return out
+
+    def _at_hand(self, names: set[str], values: dict) -> bool:
+        """Every one of ``names`` is a map whose arguments are all in ``values`` (not a
+        selection's, which only the kernels' path scatters)."""
+        return all(n in self.maps and all(a in values for a, _ in self.maps[n][1])
+                   for n in names)
 
     def _mapped(self, values: dict, names: set[str], length: int) -> dict:
         """The maps of ``names`` (those no kernel computes), by torch."""

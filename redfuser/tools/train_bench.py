@@ -189,9 +189,11 @@ def run(scale: float, repeat: int, with_compile: bool, only: list[str] | None = 
     impls = IMPLS if with_compile else IMPLS[:2]
     env = {} if defaults else process_env()
     print(f"training step (forward + backward), float32, CPU, scale {scale}; median of "
-          f"{repeat}; peak = memory the step adds to its inputs; "
-          f"environment {' '.join(f'{k}={v}' for k, v in env.items()) or 'as it is'}",
-          flush=True)
+          f"{repeat}; peak = memory the step adds to its inputs; environment"
+          f"{':' if env else ' as it is'}", flush=True)
+    for k, v, why in PROCESS_ENV:
+        if k in env:
+            print(f"  {k}={v}: {why}", flush=True)
     head = "".join(f"{i + ' ms':>18}{i + ' MB':>18}" for i in impls)
     print(f"{'workload':<26}{head}{'vs torch':>10}{'mem ratio':>11}", flush=True)
     for workload in WORKLOADS:
