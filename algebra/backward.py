@@ -105,7 +105,7 @@ class Backward:
     saved: tuple[str, ...]  # forward results the backward reads (per-row, and outputs_read)
     forward_spec: str  # the forward with every saved result an output (hidden sums named)
     stabilisers: tuple[str, ...]  # max/min results the outputs do not depend on (proven)
-    refused: dict[str, str] = field(default_factory=dict)  # input -> why no gradient
+    zero: dict[str, str] = field(default_factory=dict)  # input -> why its gradient is 0
     proofs: tuple[tuple[str, bool], ...] = ()
     maps: dict[str, sp.Expr] = field(default_factory=dict)  # gradient -> its form where the
     # spec cannot hold it: a per-element gradient, a per-row one with no sum (d eps)
@@ -146,7 +146,7 @@ class Backward:
         lines += [f"  {o}: the forward's output, saved (no recompute)" for o in self.outputs_read]
         for name, (grad, how) in self.gradients.items():
             lines.append(f"  {grad}: gradient of {name}, {how}")
-        lines += [f"  no gradient of {name}: {why}" for name, why in self.refused.items()]
+        lines += [f"  gradient of {name}: 0, {why}" for name, why in self.zero.items()]
         lines += [f"  {s}: a stabiliser, the outputs do not depend on it (proven)"
                   for s in self.stabilisers]
         lines += [f"  {p}: a product, differentiated by its log-derivative {p} * sum(d factor "
@@ -243,7 +243,7 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
     selections = contracted_selections(forward, outputs, up, taken)
     seeds |= {s.result: sp.S.One for s in selections}
     sw, stabilisers = _swept(forward, c, selections, seeds, up, taken)
-    streams, params, columns, refused = _input_gradients(sw, up)
+    streams, params, columns, zero = _input_gradients(sw, up)
     solved = {s.result: sp.Symbol(s.delta, real=True) for s in selections if s.delta}
     if dots or solved:
         def tidy(e):
@@ -253,7 +253,7 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
         columns = [(s, g, tidy(e)) for s, g, e in columns]
     sw.lines, streams, read = read_outputs(sw.c, outputs, sw.lines, streams, sw.per_element)
     proofs = prove(rewritten(forward, selections), sw.sym, sw.lines, up, dots, stabilisers,
-                   streams, params, columns, selections)
+                   streams, params, columns, selections, tuple(zero))
     column_spec, column_params = _column_spec(c, sw, dots, columns)
     exprs = [e for _, e in sw.lines] + [e for _, _, e in (*streams, *columns)]
     reads = {s.name for e in exprs for s in e.free_symbols}
@@ -265,7 +265,7 @@ def _derived(forward: Cascade, outputs: tuple[str, ...]) -> Backward:
     return Backward(forward, _spec_text(c, sw, up, streams, read),
                     {o: s.name for o, s in up.items()},
                     _described(streams, params, columns), tuple(saved), forward_spec,
-                    tuple(stabilisers), refused, proofs, _maps(sw, streams, params),
+                    tuple(stabilisers), zero, proofs, _maps(sw, streams, params),
                     column_spec, column_params,
                     {delta.name: (d.name, o) for o, (d, delta) in dots.items()},
                     tuple(selections), products_reached(sw.c, sw.adjoint), read)
@@ -392,9 +392,9 @@ def _through_sum(sw: _Sweep, red, s: sp.Symbol, a: Adjoint) -> Adjoint:
 def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
     """(stream gradients as (stream, gradient name, per-element expression), parameter
     gradient names, gradients of vector streams as (name, per-element vector expression),
-    summed over the rows in the other orientation, refused inputs); parameter gradients
-    become lines of the spec."""
-    c, streams, params, columns, refused = sw.c, [], {}, [], {}
+    summed over the rows in the other orientation, parameters whose gradient is 0 with the
+    reason); parameter gradients become lines of the spec."""
+    c, streams, params, columns, zero = sw.c, [], {}, [], {}
     sums = [r for r in c.reductions if r.op == "sum" or r.op in PRODUCTS]
     for s in c.streams:
         expr = sum((d * diff(c.elementwise[o], s) for o, d in up.items()
@@ -407,14 +407,15 @@ def _input_gradients(sw: _Sweep, up: dict[str, sp.Symbol]):
             streams.append((s, sw.name(f"d{s.name}"), simplified(expr)))
     for p in c.params:
         a = sw.adjoint[p.name]
-        if a.vanishes():
-            refused[p.name] = "the outputs do not depend on it (or only through a condition)"
+        if a.vanishes():  # torch's convention too: a condition passes no gradient
+            zero[p.name] = ("the outputs do not depend on it, or only through a condition "
+                            "(proven)")
         else:
             g = sw.name(f"d{p.name}")
             body = simplified(a.body)
             sw.lines.append((g, simplified(a.row) + (RowSum(body) if body != 0 else 0)))
             params[p.name] = g
-    return streams, params, columns, refused
+    return streams, params, columns, zero
 
 
 def _spec_text(c: Cascade, sw: _Sweep, up: dict[str, sp.Symbol], streams, read) -> str:

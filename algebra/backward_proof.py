@@ -121,10 +121,11 @@ def all_zero(values, domain: sp.Expr) -> bool:
 
 def prove(c: Cascade, sym: dict[str, sp.Symbol], lines: list, up: dict[str, sp.Symbol],
           dots: dict, stabilisers: list[str], streams, params: dict[str, str],
-          columns: list, selections=()) -> tuple[tuple[str, bool], ...]:
+          columns: list, selections=(), zero=()) -> tuple[tuple[str, bool], ...]:
     """The gradients against ``sympy.diff`` of the multi-pass loss, unrolled at each of
     ``PROOF_LENGTHS`` symbolic elements (module docstring); ``c`` has each selection
-    written as its sum (``backward_selections.rewritten``)."""
+    written as its sum (``backward_selections.rewritten``); ``zero``: the parameters whose
+    gradient is claimed to be 0."""
     # a stabiliser's adjoint simplified to 0 symbolically (``backward._sweep``): for every N, not
     # only the unrolled ones, which then hold it constant
     proofs = [(f"adjoint of {m} = 0 for every N: {m} only stabilises", True)
@@ -133,15 +134,19 @@ def prove(c: Cascade, sym: dict[str, sp.Symbol], lines: list, up: dict[str, sp.S
         held: dict[str, bool] = {}
         for case in _cases(selections, n):
             u = Unrolled(c, sym, lines, up, dots, n, set(stabilisers), case, selections)
-            for claim, ok in _claims(u, sym, streams, params, columns):
+            for claim, ok in _claims(u, sym, streams, params, columns, zero):
                 held[claim] = held.get(claim, True) and ok
         proofs += held.items()
     return tuple(proofs)
 
 
-def _claims(u: Unrolled, sym, streams, params, columns):
+def _claims(u: Unrolled, sym, streams, params, columns, zero=()):
     """(what is claimed, whether it holds) for every gradient at one unrolling."""
     loss, n = u.loss(), u.n
+    for p in zero:
+        g = u.gradient(loss, u.value_of(sym[p]))
+        ok = all_zero(g if isinstance(g, tuple) else (g,), loss)
+        yield f"d loss / d {p} = 0 at N = {n}{u.cases}", ok
     for s, g, e in streams:
         ok = all(is_zero(diff(loss, u.element(s, j)) - u.at(e, j), loss) for j in range(n))
         yield f"{g}[i] = d loss / d {s.name}[i] at N = {n}{u.cases}", ok

@@ -304,7 +304,7 @@ def _save_for_backward(grad: Gradient | None, names: tuple, returned: tuple, ctx
     ctx.scalars = tuple(v for v in inputs if not isinstance(v, torch.Tensor))
     tensors = {n: v for n, v in zip((*names, *returned), (*inputs, *_as_tuple(output)),
                                     strict=True) if isinstance(v, torch.Tensor)}
-    keep = set(names) if grad is None else grad.reads | set(grad.derived.refused)
+    keep = set(names) if grad is None else grad.reads
     ctx.kept = tuple(n for n in tensors if n in keep)
     ctx.meta = {n: (t.shape, t.dtype, t.device) for n, t in tensors.items() if n not in keep}
     ctx.save_for_backward(*(tensors[n] for n in ctx.kept))
@@ -346,10 +346,8 @@ def _derived_backward(name: str, grad: Gradient, inputs: tuple, returned: tuple,
         named = grad.derived.gradients.get(n)
         if not (is_tensor and need):
             result.append(None)
-        elif named is None:
-            result.append(_refuse_backward(f"{name}: no gradient of {n}: "
-                                           f"{grad.derived.refused.get(n, '')}",
-                                           [values[n]])[0])
+        elif named is None:  # ``Backward.zero``: the outputs do not depend on it
+            result.append(values[n].new_zeros(values[n].shape))
         else:  # rows that share an input add up (a summed one has its shape already)
             result.append(out[named[0]].sum_to_size(values[n].shape)
                           if out[named[0]].numel() != values[n].numel()

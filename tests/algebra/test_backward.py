@@ -64,7 +64,7 @@ def test_attention_backward_is_flash_attentions():
     assert "other orientation" in b.gradients["k"][1] and "per row" in b.gradients["q"][1]
     assert b.spec.startswith("dq = sum(") and b.columns.startswith("dk = sum(")
     assert "q[i, :]" in b.columns and "pos[i]" in b.columns and "at <= pos[i]" in b.columns
-    assert b.column_params == {"at": "position"} and "pos" in b.refused
+    assert b.column_params == {"at": "position"} and "pos" in b.zero
     assert b.proven and sum("2 features" in what for what, _ in b.proofs) == 6
     assert "spec in the other orientation" in str(b)
 
@@ -359,3 +359,19 @@ def test_a_products_backward_kernel_matches_differences_of_the_oracle():
         want = central_differences(spec, inputs, upstream, name, STEP)
         got = np.asarray(grads[grad], np.float64).reshape(want.shape)
         np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL * (1 + np.abs(want).max()))
+
+
+@pytest.mark.parametrize("result, zero", [
+    ("y[i] = exp(x[i] + a - m) / d", True),  # softmax: shift-invariant
+    ("lse = m + log(d)", False),  # d lse / d a = 1
+])
+def test_the_prover_tells_a_zero_gradient_from_one_that_is_not(result, zero):
+    """A parameter's gradient claimed 0 (``Backward.zero``) is checked against sympy.diff
+    of the loss like any other: a shift of every score is invisible to softmax's output,
+    not to its logsumexp."""
+    c = parse(f"m = max(x[i] + a)\nd = sum(exp(x[i] + a - m))\n{result}")
+    sym = {s.name: s for s in c.params} | {r.name: r.symbol for r in c.reductions}
+    out = c.outputs[-1]
+    proofs = prove(c, sym, [], {out: sp.Symbol(f"d{out}", real=True)}, {}, [], [], {}, [],
+                   zero=("a",))
+    assert [ok for claim, ok in proofs if "d a = 0" in claim] == [zero] * 3

@@ -118,15 +118,43 @@ def test_a_learned_threshold_gets_its_gradient_summed_over_the_rows():
 
 def test_no_gradient_flows_through_a_select_condition():
     """threshold_mass reads t only in the condition p >= t: its backward differentiates x
-    branch by branch and refuses t by name (the op raises, as for any refused input)."""
+    branch by branch, and t's gradient is 0 (torch's convention: a condition passes
+    nothing), so a training step with a learned t runs instead of failing."""
     op = rt.op("threshold_mass", name="threshold_mass_tensor_t", tune=False)
-    assert "only through a condition" in derive("threshold_mass").backward().refused["t"]
+    b = derive("threshold_mass").backward()
+    assert "only through a condition" in b.zero["t"] and "t" not in b.gradients
+    assert ("d loss / d t = 0 at N = 2", True) in b.proofs
+    assert "gradient of t: 0, " in str(b)
     x = _mass_rows(9, torch.Generator().manual_seed(4)).requires_grad_()
     t = torch.tensor(0.05, requires_grad=True)
-    mass = op(x, t)[op.outputs.index("mass")]
-    with pytest.raises(NotImplementedError, match=r"redfuser\.threshold_mass_tensor_t: no gradient "
-                                                  r"of t: .*only through a condition"):
-        mass.sum().backward()
+    upstream = torch.randn(4, generator=torch.Generator().manual_seed(6))
+    (op(x, t)[op.outputs.index("mass")] * upstream).sum().backward()
+    assert t.grad is not None and t.grad.shape == t.shape and float(t.grad) == 0.0
+    x64 = x.detach().double().requires_grad_()
+    (_threshold_mass(x64, 0.05) * upstream.double()).sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-5, atol=2e-5)
+
+
+def test_a_per_row_scalar_the_outputs_do_not_depend_on_gets_a_zero_gradient():
+    """softmax is shift-invariant: a learned per-row shift of every score has gradient 0
+    (proven: its adjoint simplifies to 0), also under torch.compile; the scores' own
+    gradient is torch's."""
+    spec = "m = max(x[i] + a)\nd = sum(exp(x[i] + a - m))\ny[i] = exp(x[i] + a - m) / d"
+    b = derive(spec).backward()
+    assert "a" in b.zero and "x" in b.gradients and b.proven
+    assert ("d loss / d a = 0 at N = 3", True) in b.proofs
+    op = rt.op(spec, name="shifted_softmax", tune=False)
+    g = torch.Generator().manual_seed(7)
+    upstream = torch.randn(3, 6, generator=g)
+    for compiled in (False, True):
+        x = torch.randn(3, 6, generator=g).requires_grad_()
+        a = torch.randn(3, generator=g).requires_grad_()
+        fn = torch.compile(op, fullgraph=True) if compiled else op
+        (fn(x, a)[op.outputs.index("y")] * upstream).sum().backward()
+        assert torch.equal(a.grad, torch.zeros(3))
+        x64 = x.detach().double().requires_grad_()
+        (torch.softmax(x64, -1) * upstream.double()).sum().backward()
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-5, atol=2e-5)
 
 
 def test_staged_gradients_under_torch_compile_fullgraph():
@@ -141,13 +169,13 @@ def _float64(g: torch.Generator, *shape, grad: bool = True) -> torch.Tensor:
     return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(grad)
 
 
-# op (registered under its own name, t a tensor: relu_sum's is learned) -> float64 inputs
+# op (registered under its own name, t a learned tensor) -> float64 inputs
 GRADCHECK = {
     "mad": lambda g: {"x": _float64(g, 2, 5)},
     "relu_sum": lambda g: {"x": _float64(g, 2, 5), "t": torch.tensor(
         0.8, dtype=torch.float64, requires_grad=True)},
     "threshold_mass": lambda g: {"x": _float64(g, 2, 5), "t": torch.tensor(
-        0.15, dtype=torch.float64)},
+        0.15, dtype=torch.float64, requires_grad=True)},  # its gradient 0: no p is near t
 }
 
 
