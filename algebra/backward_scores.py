@@ -42,8 +42,10 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from .adjoint import results_in_order
 from .backward import ROLES, Backward
 from .backward_proof import is_zero
+from .backward_text import spelling
 from .cascade import POSITION, Cascade, N
 from .errors import NoBackward
 from .functions import Dot, Where
@@ -176,3 +178,46 @@ def _masks(coefficients: list[sp.Expr], per_row: set) -> tuple[tuple[str, sp.Exp
         if all(is_zero(e.xreplace({cond: sp.false})) for e in coefficients):
             out.append(found)
     return tuple(out)
+
+
+def forward_on_scores(b: Backward, t: ThroughScores) -> str | None:
+    """The forward of ``b`` with each of ``t``'s scores a stream of its own (``s[i]``): its
+    per-row results from scores already computed, so that a forward that multiplies the
+    scores out (``redfuser.torch_loss``) runs its reductions and its backward's block map
+    on the one product.  None where a result reads a vector outside the scores or the
+    forward has a per-element output.
+
+    Law: a score symbol is its dot product (``xreplace`` of each ``dot(a, b)`` by the score
+    of the same pair), so the results are the forward's own.
+
+    Examples
+    --------
+    >>> from algebra import derive
+    >>> b = derive("linear_cross_entropy").backward()
+    >>> print(forward_on_scores(b, through_scores(b)))
+    m = max(s[i])
+    lse_sum = sum(exp(-m + s[i]))
+    loss_sum = sum(where(i == label, s[i], 0))
+    lse = m + log(lse_sum)
+    loss = -loss_sum + lse
+    """
+    c = parse(b.forward_spec)
+    if c.elementwise:
+        return None
+    named = {frozenset(pair): sp.Symbol(name, real=True) for name, pair in t.scores.items()}
+    bodies = {r.name: r for r in c.reductions}
+    lines = []
+    name = spelling(c, set(t.scores) | {s.name for s in c.streams})
+    for result in results_in_order(c):
+        r = bodies.get(result)
+        body = r.body if r else c.epilogues[result]
+        dots = {d: named.get(frozenset(a.name for a in d.args)) for d in body.atoms(Dot)}
+        if None in dots.values():
+            return None  # a dot product that is not one of the scores
+        body = body.xreplace(dots)
+        if any(s.name in c.vector_inputs for s in body.free_symbols):
+            return None
+        text = spec_text(body, name, NoBackward)
+        lines.append(f"{result} = {r.op}({text}{f', {r.k}' if r.k else ''})" if r else
+                     f"{result} = {text}")
+    return "\n".join(lines)

@@ -3,8 +3,9 @@
 ``python -m redfuser.tools.train_bench [--scale S] [--repeat R] [--compile]``
 
 For each workload, one training step (forward, then ``backward`` of a random upstream
-gradient into every input that requires grad) with the redfuser op (its derived, proven
-backward: ``algebra.backward``) and with torch eager (attention: SDPA, whichever CPU
+gradient into every input that requires grad; a mean loss, ``MEAN_LOSS``: its
+``loss.backward()``) with the redfuser op (its derived, proven backward:
+``algebra.backward``) and with torch eager (attention: SDPA, whichever CPU
 backend torch picks; ``--compile``: also ``torch.compile``), float32 on the CPU.  Each
 (workload, implementation) runs in a process of its own, so that TVM's thread pool never
 shares a process with torch's and each peak is the process's own: the median step time
@@ -52,7 +53,15 @@ WORKLOADS = {
                                    {"h": ("normal", (4096, 2048)),
                                     "w": ("head", (32000, 2048)),
                                     "label": ("labels", (4096, 32000))}),
+    "linear_ce mean 4096x2048->32000": ("linear_cross_entropy", "loss",
+                                        {"h": ("normal", (4096, 2048)),
+                                         "w": ("head", (32000, 2048)),
+                                         "label": ("labels", (4096, 32000))}),
 }
+# the workloads whose loss is the mean over the rows, stepped by ``loss.backward()`` as a
+# training step is: redfuser's is ``redfuser.torch_loss.reduced`` (its forward computes the
+# gradients: three products, not four), torch's the mean of its per-row losses
+MEAN_LOSS = ("linear_ce mean 4096x2048->32000",)
 IMPLS = ("redfuser", "torch", "torch.compile")
 THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 # (variable, value, why): measured on a 2-core Emerald Rapids Xeon, one run each
@@ -109,20 +118,27 @@ def _torch_fn(torch, op: str):
     }[op]
 
 
-def _step_fn(torch, impl: str, op: str, out_name: str, inputs: dict):
-    if impl == "redfuser":
-        import redfuser.torch as rt  # loads TVM: only in a redfuser case's process
+def _step_fn(torch, impl: str, op: str, out_name: str, inputs: dict, mean: bool):
+    scalars = tuple(k for k, v in inputs.items() if isinstance(v, float))
+    if impl == "redfuser" and mean:
+        from redfuser.torch_loss import reduced  # loads TVM: only in a redfuser case's process
 
-        cascade = rt.op(op, scalars=tuple(k for k, v in inputs.items()
-                                          if isinstance(v, float)))
+        loss = reduced(op, out_name, "mean", scalars=scalars)
+        forward = lambda: loss(*(inputs[k] for k in loss.inputs))  # noqa: E731
+    elif impl == "redfuser":
+        import redfuser.torch as rt
+
+        cascade = rt.op(op, scalars=scalars)
         index = cascade.outputs.index(out_name)
         args = [inputs[k] for k in cascade.inputs]
         forward = lambda: cascade(*args)[index]  # noqa: E731
     else:
-        fn = _torch_fn(torch, op)
+        per_row = _torch_fn(torch, op)
+        fn = (lambda *a: per_row(*a).mean()) if mean else per_row  # noqa: E731
         fn = torch.compile(fn) if impl == "torch.compile" else fn
         forward = lambda: fn(*inputs.values())  # noqa: E731
-    upstream = torch.randn(forward().shape, generator=torch.Generator().manual_seed(1))
+    upstream = None if mean else torch.randn(forward().shape,
+                                             generator=torch.Generator().manual_seed(1))
 
     def step():
         for v in inputs.values():
@@ -145,7 +161,7 @@ def case(workload: str, impl: str, scale: float, repeat: int) -> dict:
 
     op, out_name, spec = WORKLOADS[workload]
     inputs = _inputs(torch, spec, scale)
-    step = _step_fn(torch, impl, op, out_name, inputs)
+    step = _step_fn(torch, impl, op, out_name, inputs, workload in MEAN_LOSS)
     for _ in range(2):
         step()
     for v in inputs.values():  # the gradients the warm-up left, as every step leaves them
