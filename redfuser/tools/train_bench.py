@@ -126,7 +126,7 @@ def _step_fn(torch, impl: str, op: str, out_name: str, inputs: dict, mean: bool)
         loss = reduced(op, out_name, "mean", scalars=scalars)
         forward = lambda: loss(*(inputs[k] for k in loss.inputs))  # noqa: E731
     elif impl == "redfuser":
-        import redfuser.torch as rt
+        import redfuser.torch as rt  # as above
 
         cascade = rt.op(op, scalars=scalars)
         index = cascade.outputs.index(out_name)
