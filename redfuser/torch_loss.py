@@ -19,6 +19,9 @@ Memory: a chunk's scores and coefficients hold as many elements as ``h`` each (t
 a chunk: ``h.numel() // vocabulary``), so the forward holds two of them besides the
 gradients; the rows x vocabulary logits never exist.  Under ``torch.compile`` the backward
 always multiplies (the check of the upstream is data-dependent): one more dw of memory.
+bfloat16 and float16 inputs are computed in float32 (``h`` and ``w`` converted once a
+call: a float32 copy of the head), their gradients rounded once to their dtype, the loss
+float32.
 """
 
 from __future__ import annotations

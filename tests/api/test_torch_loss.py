@@ -116,3 +116,20 @@ def test_an_input_whose_gradient_is_not_through_the_scores_is_refused_by_name():
     zc.requires_grad_(False)
     lce(*(args[n] for n in lce.inputs)).backward()
     assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+def test_bfloat16_inputs_get_bfloat16_gradients_computed_in_float32():
+    """The products and kernels run in float32 (the loss is float32, a statistic); each
+    gradient is the float32 one rounded once: within 2**-8 of the largest."""
+    lce = reduced("linear_cross_entropy", name="lce_bf16", tune=False)
+    h, w, label = (t.bfloat16() if t.is_floating_point() else t for t in _problem(5))
+    leaves = {"h": h.clone().requires_grad_(), "w": w.clone().requires_grad_()}
+    loss = lce(leaves["h"], leaves["w"], label.float())
+    loss.backward()
+    want_loss, want = _reference(h, w, label, "mean", 1.0)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.detach().double(), want_loss, rtol=1e-6, atol=1e-6)
+    for n, g in want.items():
+        assert leaves[n].grad.dtype == torch.bfloat16
+        torch.testing.assert_close(leaves[n].grad.double(), g, rtol=0,
+                                   atol=2 ** -8 * float(g.abs().max()))
