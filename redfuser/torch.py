@@ -23,7 +23,9 @@ it after the declared outputs), the outputs it reads instead of recomputing them
 inputs it reads (softmax saves y and d, not x: ``algebra.backward_saved``), and gradients
 of inputs that rows share (a LayerNorm weight of shape (N,)) are summed over the rows by
 torch's ``sum_to_size``.  Outputs other than the differentiated ones (the statistics m and
-d of softmax) are marked non-differentiable, as torch marks indices.  An op whose backward
+d of softmax) are marked non-differentiable, as torch marks indices.  An input the outputs
+do not depend on, or read only in a condition, gets the gradient 0 (``Backward.zero``,
+proven).  An op whose backward
 is refused gets outputs whose backward raises ``NotImplementedError`` naming the op and
 the reason, so a training step fails clearly instead of silently leaving the op's inputs
 without gradients.
@@ -285,7 +287,7 @@ def _register_autograd(torch_op, name: str, inputs: tuple[str, ...],
                        returned: tuple[str, ...], grad: Gradient | str | None) -> None:
     if isinstance(grad, Gradient):
         setup = partial(_save_for_backward, grad, inputs, returned)
-        torch_op.register_autograd(partial(_derived_backward, name, grad, inputs, returned),
+        torch_op.register_autograd(partial(_derived_backward, grad, inputs, returned),
                                    setup_context=setup)
     else:
         why = grad or "registered with differentiable=False"
@@ -321,10 +323,10 @@ def _unsaved(shape, dtype, device) -> torch.Tensor:
     return torch.full((), fill, dtype=dtype, device=device).expand(shape)
 
 
-def _derived_backward(name: str, grad: Gradient, inputs: tuple, returned: tuple, ctx,
-                      *grads) -> tuple:
-    """Run ``<name>_backward`` on the saved values and the upstream gradients; each input
-    gets its gradient summed to its own shape (rows that share it add up)."""
+def _derived_backward(grad: Gradient, inputs: tuple, returned: tuple, ctx, *grads) -> tuple:
+    """Run the derived backward (``<name>_backward`` and the rest of ``Gradient``) on the
+    saved values and the upstream gradients; each input gets its gradient summed to its own
+    shape (rows that share it add up), 0 where the outputs do not depend on it."""
     tensors = dict(zip(ctx.kept, ctx.saved_tensors, strict=True)) | {
         n: _unsaved(*meta) for n, meta in ctx.meta.items()}
     scalars = iter(ctx.scalars)
