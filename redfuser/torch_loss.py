@@ -97,12 +97,12 @@ class _Plan:
     """What the forward runs: the score's product, the forward on the scores and the
     backward's block map (kernels), and the gradients its terms give."""
 
-    def __init__(self, t: ThroughScores, b, output: str, options: dict):
+    def __init__(self, t: ThroughScores, b, forward: str, output: str, options: dict):
         ((self.score, (self.vector, self.shared)),) = t.scores.items()
         self.t, self.output, self.upstream = t, output, b.upstream[output]
         self.gradients = {i: g for i, (g, _) in b.gradients.items()
                           if g in {x.gradient for x in t.terms}}  # input -> its gradient
-        self.forward: Kernel = compile(forward_on_scores(b, t), **{**options, "dynamic": True})
+        self.forward: Kernel = compile(forward, **{**options, "dynamic": True})
         self.block: Kernel = compile(t.block, **{**options, "dynamic": True})
 
     @staticmethod
@@ -113,15 +113,16 @@ class _Plan:
                              f"{list(rule.outputs)}")
         b = rule.backward((output,))
         t = through_scores(b)
-        forward = forward_on_scores(b, t) if t is not None and len(t.scores) == 1 else None
-        why = ("its backward does not run through one score (redfuser derive --backward "
-               "shows it)" if forward is None and (t is None or len(t.scores) != 1) else
-               "its forward reads a vector outside the scores" if forward is None else
-               f"{output!r} is not a per-row result" if output not in derive(forward).outputs
-               else None)
+        forward = why = None
+        if t is None or len(t.scores) != 1:
+            why = "its backward does not run through one score (redfuser derive --backward)"
+        elif (forward := forward_on_scores(b, t)) is None:
+            why = "its forward reads a vector outside the scores"
+        elif output not in derive(forward).outputs:
+            why = f"{output!r} is not a per-row result"
         if why is not None:
             raise ValueError(f"{rule.name or 'the spec'}: no reduced loss: {why}")
-        return _Plan(t, b, output, options)
+        return _Plan(t, b, forward, output, options)
 
 
 class _ReducedLoss:
@@ -227,14 +228,16 @@ class _Forward:
         return g.to(v.dtype).reshape(v.shape)
 
     def _run(self, kernel: Kernel, rows: slice, given: dict) -> dict:
-        """``kernel`` on these rows: the per-row inputs sliced (a number or 0-d as is),
-        ``given`` as they are; outputs in tensors torch allocates."""
+        """``kernel`` on these rows: ``given`` as they are, the other inputs sliced where
+        they hold a value per row (a number, or a tensor the rows share, as it is); outputs
+        in tensors torch allocates."""
         c = kernel.rule.cascade
         args = {}
         for x in (*c.streams, *c.params):
-            v = given[x.name] if x.name in given else self.values[x.name]
-            args[x.name] = v[rows] if isinstance(v, torch.Tensor) and x.name not in given \
-                and v.dim() else v
+            v = given.get(x.name, self.values.get(x.name))
+            per_row = x.name not in given and isinstance(v, torch.Tensor) and v.dim() > 0 \
+                and v.shape[0] == self.rows
+            args[x.name] = v[rows] if per_row else v
         out = {n: torch.empty(shape, dtype=dtype)
                for n, (shape, dtype) in output_specs(kernel.rule, args).items()}
         kernel(**args, out=out)
