@@ -54,7 +54,8 @@ def reduced(spec_or_rule: FusionRule | str, output: str = "loss", reduction: str
         a library name, a spec, or a derived rule, whose backward of ``output`` runs
         through one score: a per-row vector against a stream the rows share.
     output : str
-        the per-row result to reduce.
+        the per-row result to reduce; the rows are every axis of the per-row vector but
+        its last (a batch of sequences' tokens), and a value per row has their shape.
     reduction : str
         "mean" (over all rows) or "sum".
     name : str
@@ -191,20 +192,22 @@ class _Forward:
     def __init__(self, loss: _ReducedLoss, values: dict):
         self.reduction, self.plan, self.values = loss.reduction, loss.plan, values
         h, w = values[self.plan.vector], values[self.plan.shared]
-        if h.dim() != 2 or w.dim() != 2 or h.shape[1] != w.shape[1]:
-            raise ValueError(f"{loss.name}: {self.plan.vector} must be (rows, D) and "
+        if h.dim() < 2 or w.dim() != 2 or h.shape[-1] != w.shape[1]:
+            raise ValueError(f"{loss.name}: {self.plan.vector} must be (..., D) and "
                              f"{self.plan.shared} (positions, D) with one D, not "
                              f"{tuple(h.shape)} and {tuple(w.shape)}")
         self.acc = torch.promote_types(h.dtype, torch.float32)
-        self.h, self.w = h.to(self.acc), w.to(self.acc)
-        self.rows, self.positions = h.shape[0], w.shape[0]
+        self.h, self.w = h.reshape(-1, h.shape[-1]).to(self.acc), w.to(self.acc)
+        self.rows, self.positions = self.h.shape[0], w.shape[0]
+        # a value per row (a batch x tokens label) laid out as h's rows are
+        self.row_values = {n: v.reshape(-1) for n, v in values.items()
+                           if isinstance(v, torch.Tensor) and v.shape == h.shape[:-1]}
 
     def loss(self, wanted: set[str]) -> tuple[torch.Tensor, dict]:
         """The reduced loss and the wanted gradients, in their inputs' dtypes."""
         chunk = max(1, self.h.numel() // max(1, self.positions))
         scale = REDUCTIONS[self.reduction](self.rows)
-        grads = {n: torch.zeros(self.rows if self._per_row(n) else self.values[n].shape,
-                                dtype=self.acc) for n in wanted}
+        grads = {n: torch.zeros(self._laid_shape(n), dtype=self.acc) for n in wanted}
         scores = torch.empty(min(chunk, self.rows) * self.positions, dtype=self.acc)
         total = torch.zeros((), dtype=torch.float64)
         for start in range(0, self.rows, chunk):
@@ -222,9 +225,20 @@ class _Forward:
         return any(t.rows and not t.vector for t in self.plan.t.terms
                    if t.gradient == self.plan.gradients[name])
 
+    def _laid_shape(self, name: str) -> tuple:
+        """A gradient's shape as the chunks add to it: h's rows', a value per row's, or
+        the input's own (w)."""
+        if self._per_row(name):
+            return (self.rows,)
+        return tuple(self.h.shape) if name == self.plan.vector else \
+            tuple(self.values[name].shape)
+
     def _as_input(self, name: str, g: torch.Tensor) -> torch.Tensor:
+        """The gradient in its input's shape and dtype: a per-row one summed over the rows
+        the input is shared by."""
         v = self.values[name]
-        g = (g.sum() if v.dim() == 0 else g.sum_to_size(v.shape)) if self._per_row(name) else g
+        if self._per_row(name) and name not in self.row_values:
+            g = g.sum_to_size(v.shape) if v.dim() else g.sum()
         return g.to(v.dtype).reshape(v.shape)
 
     def _run(self, kernel: Kernel, rows: slice, given: dict) -> dict:
@@ -234,10 +248,10 @@ class _Forward:
         c = kernel.rule.cascade
         args = {}
         for x in (*c.streams, *c.params):
-            v = given.get(x.name, self.values.get(x.name))
-            per_row = x.name not in given and isinstance(v, torch.Tensor) and v.dim() > 0 \
-                and v.shape[0] == self.rows
-            args[x.name] = v[rows] if per_row else v
+            if x.name in given or x.name not in self.row_values:
+                args[x.name] = given.get(x.name, self.values.get(x.name))
+            else:
+                args[x.name] = self.row_values[x.name][rows]
         out = {n: torch.empty(shape, dtype=dtype)
                for n, (shape, dtype) in output_specs(kernel.rule, args).items()}
         kernel(**args, out=out)

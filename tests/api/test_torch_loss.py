@@ -133,3 +133,22 @@ def test_bfloat16_inputs_get_bfloat16_gradients_computed_in_float32():
         assert leaves[n].grad.dtype == torch.bfloat16
         torch.testing.assert_close(leaves[n].grad.double(), g, rtol=0,
                                    atol=2 ** -8 * float(g.abs().max()))
+
+
+def test_a_batch_of_sequences_is_its_tokens_as_rows():
+    """h (batch, tokens, D) and a label per token: the rows are the tokens, h's gradient
+    has h's shape, and a per-token learned softcap's gradient is per token."""
+    lce = reduced(SOFTCAP, name="lce_tokens", tune=False)
+    h, w, label = _problem(6)
+    h3, label3 = h[:6].reshape(2, 3, D), label[:6].reshape(2, 3)
+    c = torch.full((2, 3), 1.5, requires_grad=True)
+    leaves = {"h": h3.clone().requires_grad_(), "w": w.clone().requires_grad_(), "c": c}
+    lce(c, leaves["h"], leaves["w"], label3.float()).backward()
+    ref = {"h": h3.double().requires_grad_(), "w": w.double().requires_grad_(),
+           "c": c.detach().double().requires_grad_()}
+    cap = ref["c"][..., None]
+    logits = cap * torch.tanh(ref["h"] @ ref["w"].T / cap)
+    F.cross_entropy(logits.reshape(6, VOCAB), label3.reshape(6)).backward()
+    assert leaves["h"].grad.shape == (2, 3, D) and c.grad.shape == (2, 3)
+    assert_gradients_match({n: v.grad for n, v in leaves.items()},
+                           {n: v.grad for n, v in ref.items()}, "tokens")
