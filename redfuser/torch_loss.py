@@ -15,6 +15,10 @@ and hands them over as they are where that is exactly 1 (``loss.backward()``, ea
 op's backward, which knows only its per-row upstream, must instead multiply the scores out
 again: four products.  Liger-Kernel's fused linear cross-entropy does the same by hand.
 
+The forward pays for the gradients (two of its three products) wherever grad mode is on
+and an input requires grad, whether or not a backward follows: evaluate under
+``torch.no_grad()``, where it multiplies the scores out and reduces them alone.
+
 Memory: a chunk's scores and coefficients hold as many elements as ``h`` each (the rows of
 a chunk: ``h.numel() // vocabulary``), so the forward holds two of them besides the
 gradients; the rows x vocabulary logits never exist.  Under ``torch.compile`` the backward
