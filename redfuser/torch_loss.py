@@ -246,9 +246,9 @@ class _Forward:
         return g.to(v.dtype).reshape(v.shape)
 
     def _run(self, kernel: Kernel, rows: slice, given: dict) -> dict:
-        """``kernel`` on these rows: ``given`` as they are, the other inputs sliced where
-        they hold a value per row (a number, or a tensor the rows share, as it is); outputs
-        in tensors torch allocates."""
+        """``kernel`` on these rows: ``given`` as they are, a value per row (``row_values``)
+        sliced to the rows, any other input (a number, a tensor the rows share) as it is;
+        outputs in tensors torch allocates."""
         c = kernel.rule.cascade
         args = {}
         for x in (*c.streams, *c.params):

@@ -3,9 +3,9 @@ inputs in the low dtype (float32 compute inside, ``algebra.dtypes``), against to
 same dtype, our own float32 kernel on the same shape (float32 inputs), and, where the
 bytes set the time, a preallocated copy of the low-precision input (``copy_``: the bytes a
 memory-bound kernel must at least move, as 16-bit integers: numpy copies ml_dtypes'
-bfloat16 element by element).  One
-process, medians of repeated calls, ratios from the same run.  Our kernels write into
-preallocated outputs (``out=``), both dtypes, as the copy writes into one.
+bfloat16 element by element).  One process, medians of repeated calls, ratios from the
+same run.  Our kernels write into preallocated outputs (``out=``), both dtypes, as the
+copy writes into one.
 """
 
 from __future__ import annotations
