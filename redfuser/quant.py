@@ -38,7 +38,7 @@ from .lowering.cpu.int8_pack import pack_weights as pack_weights_func
 from .lowering.cpu.int8_pack import scratch_shapes, weight_shapes
 from .lowering.cpu.vector import isa_for
 from .tvm.runtime import build, empty_aligned, from_numpy, host_source, time_ms
-from .tvm.target import cpu_has, device, host_grants_amx, host_int8_target
+from .tvm.target import cpu_has, device, host_grants_amx, host_target
 
 QUANT_GEMM_SPEC = ("a = max(abs(x[i]))\n"
                    "y = sum(clip(round(x[i] * 127 / a), -127, 127) * wq[i, :]) * a / 127 * ws[:]")
@@ -103,7 +103,7 @@ class QuantGemm:
     def __init__(self, target: dict | None = None, isa: DotIsa | None = None):
         """``target``: the host CPU by default (with AMX where granted); ``isa``: one of
         ``lowering.cpu.vector.INT8_ISAS`` the target has (default: the best)."""
-        self.target = target or host_int8_target()
+        self.target = target or host_target()
         self.isa: DotIsa = isa or isa_for(self.target)
         if not cpu_has(self.target, self.isa.feature):
             raise ValueError(f"target {self.target} has no {self.isa.feature} for {self.isa.name}")

@@ -19,7 +19,7 @@ from functools import partial
 
 from algebra.dtypes import COMPUTE, COMPUTES
 
-from ..tvm.target import cpu_target, cuda_target
+from ..tvm.target import cuda_target, host_target
 from .cpu import plan as cpu_plan
 from .cpu import resident as cpu_resident
 from .cpu import space as cpu_space
@@ -69,7 +69,7 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {
-    "cpu": Backend("cpu", "llvm", cpu_target, cpu_plan.choose, cpu_plan.CpuPlan,
+    "cpu": Backend("cpu", "llvm", host_target, cpu_plan.choose, cpu_plan.CpuPlan,
                    cpu_variants.VARIANTS, True, cpu_resident.resident_fit, cpu_plan.dynamic_plan,
                    cpu_space.params, cpu_space.plan_fits, cpu_space.machine_id,
                    also_kinds=("c",), computes=tuple(COMPUTES)),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from ..report import FuseReport
 from ..tvm.graph import IRModule, Sequential, dlight, module_pass, relax, relax_tensor, relax_vm
 from ..tvm.graph import build_relax as _build_relax
-from ..tvm.target import cpu_target
+from ..tvm.target import host_target
 from .bounds import tightened_module
 from .driver import FuseCascadedReductions
 
@@ -80,7 +80,7 @@ def build(mod: IRModule, fuse: bool = True):
         fuse_pass = FuseCascadedReductions()
         mod = fuse_pass(mod)
         report = fuse_pass.report
-    return _build_relax(mod, cpu_pipeline(), cpu_target()), report
+    return _build_relax(mod, cpu_pipeline(), host_target()), report
 
 
 def run(executable, *args, func: str = "main"):

@@ -19,7 +19,7 @@ from ..report import FuseReport, GroupReport
 from ..tvm.graph import IRModule
 from ..tvm.ir import tirx, verify_sblock_func
 from ..tvm.runtime import TVM_ALIGNMENT, build, from_numpy
-from ..tvm.target import cpu_target
+from ..tvm.target import host_target
 from .emit import rewrite_group
 from .groups import Group, LiftError, lift
 
@@ -185,7 +185,7 @@ def run_cpu(func, arrays: list[np.ndarray]) -> list[np.ndarray]:
     name = str(func.attrs["global_symbol"]) if func.attrs and "global_symbol" in func.attrs \
         else "main"
     # a function without a global symbol (Relax's legalized ones) gets no packed entry point
-    executable = build(func.with_attr("global_symbol", name), cpu_target())
+    executable = build(func.with_attr("global_symbol", name), host_target())
     tensors = [from_numpy(np.array(a), align=TVM_ALIGNMENT) for a in arrays]
     executable[name](*tensors)
     return [t.numpy() for t in tensors]

@@ -231,6 +231,10 @@ threads=128, mc=0, nc=0, kc=0, mr=0, nr=0)
     for k, v in params.items():
         if k == "variant":
             continue
+        if isinstance(defaults.get(k), str):  # a name (``CpuPlan.tile_dot``): the type checks it
+            if not isinstance(v, str):
+                raise ValueError(f"plan parameter {k} must be a name, not {v!r}")
+            continue
         if not isinstance(v, int | np.integer) or isinstance(v, bool):
             raise ValueError(f"plan parameter {k} must be a positive integer, not {v!r}")
         if k in kind.retired and v not in kind.retired[k]:
@@ -239,5 +243,6 @@ threads=128, mc=0, nc=0, kc=0, mr=0, nr=0)
                              f"{' or '.join(map(str, kind.retired[k]))}")
         if k in defaults and v < min(defaults[k], 1):  # a default of 0: none (no GEMM)
             raise ValueError(f"plan parameter {k} must be a positive integer, not {v!r}")
-    return kind(**{k: (v if k == "variant" else int(v)) for k, v in params.items() if k in have},
+    return kind(**{k: (v if isinstance(v, str) else int(v)) for k, v in params.items()
+                   if k in have},
                 fast_math=fast_math, reason=reason)

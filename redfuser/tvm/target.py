@@ -8,11 +8,14 @@ import os
 import platform
 import sys
 from functools import lru_cache
+from pathlib import Path
 
 import tvm
 
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
-AMX_FEATURES = ("+amx-tile", "+amx-int8")
+# the AMX features by their /proc/cpuinfo flag: LLVM names the CPU by its model, and a
+# virtual machine's model can lack the AMX its CPU has
+AMX_FLAGS = {"amx_tile": "+amx-tile", "amx_int8": "+amx-int8", "amx_bf16": "+amx-bf16"}
 
 
 def default_threads() -> int:
@@ -37,12 +40,15 @@ def host_grants_amx() -> bool:
     return libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
 
 
-def host_int8_target() -> dict:
-    """The host CPU with AMX's features where the process is granted the tiles: LLVM names
-    the CPU by its model, and a virtual machine's model can lack the AMX its CPU has."""
-    if host_grants_amx():
-        return {**cpu_target(), "mattr": list(AMX_FEATURES)}
-    return cpu_target()
+@lru_cache(maxsize=1)
+def host_target() -> dict:
+    """The host CPU (``cpu_target``) with the AMX features /proc/cpuinfo lists, where the
+    process is granted the tiles: every CPU kernel is built for it, so a plan may use the
+    tiles (int8 and bfloat16 GEMMs) wherever the host has them."""
+    if not host_grants_amx():
+        return cpu_target()
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    return {**cpu_target(), "mattr": [f for flag, f in AMX_FLAGS.items() if flag in flags]}
 
 
 def cpu_has(target: dict, feature: str) -> bool:

@@ -27,7 +27,7 @@ from redfuser.lowering.cuda.fp8 import fp8_quant_gemm
 from redfuser.quant import QUANT_GEMM_SPEC, QuantGemm, integer_product_range, quant_gemm
 from redfuser.tvm.cuda import cuda_source, nvcc_compile
 from redfuser.tvm.runtime import build, from_numpy, host_source
-from redfuser.tvm.target import cpu_has, cuda_target, host_int8_target
+from redfuser.tvm.target import cpu_has, cuda_target, host_target
 from tests.support import needs_nvcc
 
 TIES = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5, 1e7 + 0.5, -0.49999997,
@@ -76,7 +76,7 @@ def test_clip_facts_and_errors():
 
 # -- the integer GEMM ----------------------------------------------------------------------------
 
-HOST = host_int8_target()
+HOST = host_target()
 HOST_ISAS = [isa for isa in INT8_ISAS if cpu_has(HOST, isa.feature)]  # every one this CPU runs
 ANY_INT8 = [isa for isa in HOST_ISAS if isa.lowest == -128]  # those exact for -128 too
 VNNI_CPU = {"kind": "llvm", "mcpu": "icelake-server"}  # any AVX-512 VNNI CPU LLVM knows

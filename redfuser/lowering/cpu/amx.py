@@ -31,25 +31,25 @@ COLSB, ROWS = 16, 48  # byte offsets of colsb[8] (uint16) and rows[8] (uint8) in
 U8 = "uint8"
 
 
-def _intrin(name: str, *args) -> None:
+def tile_op(name: str, *args) -> None:
     """A tile instruction (``llvm.x86.`` + its name, or a full intrinsic name)."""
     full = name if name.startswith("llvm.") else f"llvm.x86.{name}"
     T.evaluate(tirx.call_llvm_intrin("void", full, *args))
 
 
-def _tile(index: int):
+def tile_reg(index: int):
     return tirx.const(index, U8)  # tile numbers are immediates of the instructions
 
 
-def _at(buf, *index):
+def address(buf, *index):
     return tirx.address_of(tirx.BufferLoad(buf, list(index)))
 
 
-def _stride(nbytes) -> object:
+def byte_stride(nbytes) -> object:
     return tirx.const(int(nbytes), "int64")
 
 
-def _configure() -> None:
+def configure() -> None:
     """ldtilecfg: palette 1, every tile 16 rows of 64 bytes (zero elsewhere, as required)."""
     cfg = T.alloc_buffer((CONFIG_BYTES,), U8, scope="local")
     with T.serial(0, CONFIG_BYTES) as i:
@@ -58,7 +58,7 @@ def _configure() -> None:
     for t in range(TILES):
         T.buffer_store(cfg, tirx.const(TILE_BYTES, U8), [COLSB + 2 * t])  # little-endian low
         T.buffer_store(cfg, tirx.const(TILE_ROWS, U8), [ROWS + t])
-    _intrin("ldtilecfg", _at(cfg, 0))
+    tile_op("ldtilecfg", address(cfg, 0))
 
 
 class TileGemm:
@@ -75,7 +75,7 @@ class TileGemm:
         isa = self.isa
         blocks = self.u.shape[0] // isa.mr
         with T.parallel(0, self.packed.shape[0]) as p:
-            _configure()
+            configure()
             acc = T.alloc_buffer((isa.mr, isa.nr), I32, scope="local")
             with T.serial(0, blocks) as b:
                 self._block(p, b, acc)
@@ -83,22 +83,23 @@ class TileGemm:
                     with T.If(b * isa.mr + i < self.m):  # the padding rows are not results
                         with T.Then():
                             store(p, b * isa.mr + i, i, acc, epilogue)
-            _intrin("tilerelease")
+            tile_op("tilerelease")
 
     def _block(self, p, b, acc) -> None:
         isa, u, packed = self.isa, self.u, self.packed
         for t in range(len(C_TILES)):
-            _intrin("tilezero", _tile(t))
+            tile_op("tilezero", tile_reg(t))
         row_bytes, panel_bytes = u.shape[1], isa.nr * 4
         with T.serial(0, packed.shape[1] // TILE_ROWS) as ks:
             for i, a in enumerate(A_TILES):
-                _intrin("tileloadd64", _tile(a),
-                        _at(u, b * isa.mr + i * TILE_ROWS, ks * TILE_BYTES), _stride(row_bytes))
+                tile_op("tileloadd64", tile_reg(a),
+                        address(u, b * isa.mr + i * TILE_ROWS, ks * TILE_BYTES),
+                        byte_stride(row_bytes))
             for j, bt in enumerate(B_TILES):
-                _intrin("tileloadd64", _tile(bt),
-                        _at(packed, p, ks * TILE_ROWS, j * TILE_ROWS), _stride(panel_bytes))
+                tile_op("tileloadd64", tile_reg(bt),
+                        address(packed, p, ks * TILE_ROWS, j * TILE_ROWS), byte_stride(panel_bytes))
             for t, (i, j) in enumerate(C_TILES):
-                _intrin(isa.intrinsic, _tile(t), _tile(A_TILES[i]), _tile(B_TILES[j]))
+                tile_op(isa.intrinsic, tile_reg(t), tile_reg(A_TILES[i]), tile_reg(B_TILES[j]))
         for t, (i, j) in enumerate(C_TILES):
-            _intrin("tilestored64", _tile(t), _at(acc, i * TILE_ROWS, j * TILE_ROWS),
-                    _stride(panel_bytes))
+            tile_op("tilestored64", tile_reg(t), address(acc, i * TILE_ROWS, j * TILE_ROWS),
+                    byte_stride(panel_bytes))

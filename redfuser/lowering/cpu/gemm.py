@@ -108,7 +108,7 @@ def rolling(rule: FusionRule, geo: Geometry, plan: CpuPlan, bufs: dict, results:
             if work is not None:  # the statistics: once per row, a share by each column task
                 share = T.bind(tirx.floordiv(rows + (tasks - 1), tasks))
                 with T.serial(task * share, tirx.min(rows, (task + 1) * share)) as j:
-                    _statistics(em_rest, plan, fold, work, row0 + j, k0, length,
+                    fold_statistics(em_rest, plan, fold, work, row0 + j, k0, length,
                                 (row0 + j) * pieces + piece)
             with T.serial(0, rows) as j:
                 for p, a in zip(found, packed_a, strict=True):
@@ -117,12 +117,12 @@ def rolling(rule: FusionRule, geo: Geometry, plan: CpuPlan, bufs: dict, results:
                 blocks = Blocks(plan, geo, row0, rows, k0, length, piece == 0)
                 blocks.product(bufs[p.weight], a, packed_b, sums[p.state], task)
     with rows_loop(geo)(0, geo.r) as r:
-        st = _merged(em_rest, work, r, pieces)
+        st = merged_statistics(em_rest, work, r, pieces)
         row_results(em, geo, found, sums, st, r, results)
         em.elementwise(r, elementwise)
 
 
-def _statistics(em: Emitter, plan: CpuPlan, fold: Callable, work: dict, r, k0, length, slot):
+def fold_statistics(em: Emitter, plan: CpuPlan, fold: Callable, work: dict, r, k0, length, slot):
     """Fold elements [k0, k0 + length) of row r into the rest of the cascade's state (its
     own lanes and tiles), stored in row ``slot`` of the workspace."""
     st = em.states(2 * plan.lanes)
@@ -214,7 +214,7 @@ class Blocks:
                                                 [self.row0 + local, col0 + c]))
 
 
-def _merged(em: Emitter, work, r, pieces: int):
+def merged_statistics(em: Emitter, work, r, pieces: int):
     """Row r's statistics: its pieces merged in order, settled at the true anchors (None
     when the cascade is only matrix products)."""
     if work is None:

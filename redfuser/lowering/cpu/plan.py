@@ -29,6 +29,7 @@ from ..plan import Plan, check_variant
 from ..products import products, without
 from ..signature import F32
 from .scores import product_reason, score_blocks, score_dot, score_product, score_reason
+from .tile_dots import TILE_DOTS, TileDot, host_tile_dot
 from .vector import host_caches, host_exp, host_isa, host_narrowing
 
 ISA, CACHES = host_isa(), host_caches()  # the host's vector unit and caches (vector.py)
@@ -93,6 +94,17 @@ GEMM: dict[str, tuple[int, str]] = {
                 "the threads split the columns (Zen 3, 256 x 4096 -> 4096 on 2 threads: "
                 "columns split 65 ms, two row blocks of 128 90 ms)"),
 }
+# The blocking of the products on tile dot products (``tile_gemm.py``): name -> (value, why).
+# Measured in one run (bfloat16 256 x 4096 -> 4096, the products alone, 2 cores, Emerald
+# Rapids): KC x NC 256 x 512 6.3-6.6 ms, 512 x 256 7.0-7.3, 1024 x 256 6.7-6.8, 256 x 1024
+# 6.5-6.8, and 8.8-10.8 for one block of all of K.
+TILE_GEMM: dict[str, tuple[int, str]] = {
+    "kc": (256, "K per block: the sums are loaded and stored once per KC values, and the "
+                "rows' block of A (rows x KC x 2 B: 128 KB at 256 rows) stays in L2 while "
+                "every panel of the group passes"),
+    "nc": (512, "columns packed together (16 panels of 32: KC x NC x 2 B = 256 KB): each row "
+                "of W is read 1 KB at a time"),
+}
 GEMM_FIELDS = ("mr", "nr", "kc", "nc", "mc", "nt")  # a CpuPlan's blocking; 0: no micro-kernel
 
 
@@ -120,9 +132,16 @@ class CpuPlan(Plan):
     nc: int = 0
     mc: int = 0
     nt: int = 0
+    tile_dot: str = ""  # the products on this row of ``tile_dots.TILE_DOTS`` ("": FMAs)
 
-    terse: ClassVar[frozenset[str]] = frozenset({"row_block", *GEMM_FIELDS})
+    terse: ClassVar[frozenset[str]] = frozenset({"row_block", "tile_dot", *GEMM_FIELDS})
     retired: ClassVar[Mapping[str, tuple[int, ...]]] = {"threads": (1,)}  # CUDA's, unset
+
+    def __post_init__(self) -> None:
+        names = [dot.name for dot in TILE_DOTS]
+        if self.tile_dot and self.tile_dot not in names:
+            raise ValueError(f"plan parameter tile_dot must be one of {names} or '' (the "
+                             f"float32 micro-kernel), not {self.tile_dot!r}")
 
     @property
     def span(self) -> int:
@@ -133,7 +152,8 @@ class CpuPlan(Plan):
 
     def details(self) -> str:
         extra = f", blocks of {self.row_block} rows" if self.row_block > 1 else ""
-        return extra + (f", GEMM micro-kernel {self.mr} x {self.nr}, KC {self.kc}, NC "
+        kernel = f"{self.tile_dot} tiles" if self.tile_dot else "GEMM micro-kernel"
+        return extra + (f", {kernel} {self.mr} x {self.nr}, KC {self.kc}, NC "
                         f"{self.nc}, MC {self.mc}, NT {self.nt}" if self.mr else "")
 
 
@@ -254,6 +274,9 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     blocks = gemm_blocks(rule, geo, threads) if variant != "split" and tiled else None
     if blocks is not None and not (variant is None and geo.r < threads and
                                    geo.n >= 2 * MIN_SPLIT_ELEMENTS):
+        dot = host_tile_dot(rule, geo) if variant in (None, "rolling") else None
+        if dot is not None:
+            return tile_plan(rule, geo, variant, fast_math, dot)
         return gemm_plan(rule, geo, variant, fast_math, blocks)
     scored = score_plan(rule, geo, threads, fast_math) if variant in (None, "rolling") and \
         tiled else None
@@ -417,3 +440,31 @@ def gemm_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: b
          "in the same pass over each row")
     return CpuPlan(variant or "rolling", lanes, 1, fast_math, why,
                 tile=tile_for(rest, lanes, blocks["kc"]), **blocks)
+
+
+def tile_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: bool,
+              dot: TileDot) -> CpuPlan:
+    """Rolling with the matrix products on ``dot`` (``tile_gemm.py``, blocked by
+    ``TILE_GEMM``); the rest of the cascade folds each whole row in its own lanes.
+
+    Examples
+    --------
+    >>> import redfuser
+    >>> from redfuser.lowering import shape_geometry
+    >>> from redfuser.lowering.cpu.tile_dots import TILE_DOTS
+    >>> rule = redfuser.derive("rmsnorm_gemm")
+    >>> geo = shape_geometry(rule, {"x": (70, 300), "w": (300, 40)})
+    >>> print(tile_plan(rule, geo, None, True, TILE_DOTS[0]).details())
+    , amx-bf16 tiles 32 x 32, KC 256, NC 64, MC 96, NT 1
+    """
+    rest = without(rule, products(rule, geo))
+    lanes = vector_lanes(rest, geo) if rest.components else 1
+    block = 32  # 2 x 2 tiles of 16 x 16 sums
+    nc = min(TILE_GEMM["nc"][0], -(-geo.d // block) * block)
+    why = (f"{'requested' if variant else f'{geo.r} rows hold matrix products'}; their "
+           f"operands are {dot.operand} as stored: the products on {dot.name} tiles "
+           f"({dot.why}), the other reductions folded in a pass over each row before")
+    return CpuPlan(variant or "rolling", lanes, 1, fast_math, why,
+                   tile=tile_for(rest, lanes, geo.n), mr=block, nr=block,
+                   kc=TILE_GEMM["kc"][0], nc=nc, mc=-(-geo.r // block) * block, nt=1,
+                   tile_dot=dot.name)

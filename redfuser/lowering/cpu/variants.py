@@ -30,7 +30,7 @@ from ..products import products
 from ..registers import Const0, States
 from ..signature import I64, result_dtype, result_width
 from ..steps import all_of
-from . import gemm, score_products, score_tiles, tiles
+from . import gemm, score_products, score_tiles, tile_gemm, tiles
 from .plan import (
     REGISTER_SCOPE,
     CpuPlan,
@@ -113,6 +113,9 @@ def rolling(rule, geo, plan, bufs, results, elementwise, rowvals=None, scores=No
                          f"{plan.mr}) compute float32 (packed float32 panels, AVX FMA "
                          f"blocking); this kernel computes {geo.compute}: use a plan "
                          "without mr (the policy's), or compute_dtype='float32'")
+    if plan.tile_dot:  # the products on tile dot products (``tile_dots``)
+        return tile_gemm.rolling(rule, geo, plan, bufs, results, elementwise,
+                                 rowvals or {}, _fold)
     if plan.mr and products(rule, geo):
         return gemm.rolling(rule, geo, plan, bufs, results, elementwise, rowvals or {}, _fold)
     if plan.mr and score_product(rule, geo):  # f(dot) times its stream matrix: two GEMMs
