@@ -13,9 +13,12 @@ from pathlib import Path
 import tvm
 
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
-# the AMX features by their /proc/cpuinfo flag: LLVM names the CPU by its model, and a
-# virtual machine's model can lack the AMX its CPU has
-AMX_FLAGS = {"amx_tile": "+amx-tile", "amx_int8": "+amx-int8", "amx_bf16": "+amx-bf16"}
+# LLVM features by the /proc/cpuinfo flag that shows them: LLVM names the CPU by its model,
+# and a virtual machine's model can lack what its CPU has (an Emerald Rapids guest named
+# "rocketlake": no AVX-512 BF16, no AMX).  flag -> (feature, needs the AMX grant)
+HOST_FLAGS = {"avx512_bf16": ("+avx512bf16", False), "avx512_fp16": ("+avx512fp16", False),
+              "amx_tile": ("+amx-tile", True), "amx_int8": ("+amx-int8", True),
+              "amx_bf16": ("+amx-bf16", True)}
 
 
 def default_threads() -> int:
@@ -42,13 +45,20 @@ def host_grants_amx() -> bool:
 
 @lru_cache(maxsize=1)
 def host_target() -> dict:
-    """The host CPU (``cpu_target``) with the AMX features /proc/cpuinfo lists, where the
-    process is granted the tiles: every CPU kernel is built for it, so a plan may use the
-    tiles (int8 and bfloat16 GEMMs) wherever the host has them."""
-    if not host_grants_amx():
-        return cpu_target()
-    flags = set(Path("/proc/cpuinfo").read_text().split())
-    return {**cpu_target(), "mattr": [f for flag, f in AMX_FLAGS.items() if flag in flags]}
+    """The host CPU (``cpu_target``) with the features of ``HOST_FLAGS`` that /proc/cpuinfo
+    lists (AMX's only where the process is granted the tiles): every CPU kernel is built for
+    it, and the plans read the host's features from it.
+
+    Examples
+    --------
+    >>> host_target()["mcpu"] == cpu_target()["mcpu"]
+    True
+    """
+    info = Path("/proc/cpuinfo")
+    flags = set(info.read_text().split()) if info.exists() else set()
+    extra = [feature for flag, (feature, amx) in HOST_FLAGS.items()
+             if flag in flags and (not amx or host_grants_amx())]
+    return {**cpu_target(), "mattr": extra} if extra else cpu_target()
 
 
 def cpu_has(target: dict, feature: str) -> bool:

@@ -11,7 +11,14 @@ import pytest
 
 import redfuser
 from redfuser.lowering.cpu.plan import GEMM, LANES
-from redfuser.lowering.cpu.vector import FMA_IN_FLIGHT, VECTOR_ISAS, _bytes, host_isa
+from redfuser.lowering.cpu.vector import (
+    FMA_IN_FLIGHT,
+    VECTOR_ISAS,
+    _bytes,
+    host_isa,
+    host_narrowing,
+)
+from redfuser.tvm.target import cpu_has, host_target
 
 CPUINFO = Path("/proc/cpuinfo")
 # /proc/cpuinfo flag -> the VECTOR_ISAS row it means, best first (any x86-64 has sse2)
@@ -57,3 +64,15 @@ def test_a_blocking_of_partial_vectors_is_refused_not_computed():
     bad = dataclasses.replace(base.plan, nr=LANES + LANES // 2, nc=2 * (LANES + LANES // 2))
     with pytest.raises(ValueError, match="GEMM blocking: nr"):
         redfuser.compile("rmsnorm_gemm", plan=bad)(**inputs)
+
+
+@pytest.mark.skipif(not CPUINFO.exists(), reason="no /proc/cpuinfo: not Linux")
+def test_the_features_linux_reports_reach_the_kernels_when_llvm_names_an_older_model():
+    """A virtual machine's CPU model can lack what its CPU has (an Emerald Rapids guest that
+    LLVM names "rocketlake"): the host target adds what /proc/cpuinfo lists, so the bfloat16
+    rounding instruction is used wherever Linux says the CPU has it."""
+    text = CPUINFO.read_text()
+    flags = set(re.search(r"^(?:flags|Features)\s*:(.*)$", text, re.M).group(1).split())
+    has = "avx512_bf16" in flags and host_isa().lanes == LANES == 16
+    assert (host_narrowing("bfloat16", LANES) is not None) == has
+    assert cpu_has(host_target(), "avx512bf16") == ("avx512_bf16" in flags)

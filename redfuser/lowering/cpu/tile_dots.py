@@ -80,7 +80,7 @@ def refusal(p: Product, geo: Geometry, dot: TileDot) -> str | None:
     >>> geo = shape_geometry(rule, {"x": (64, 128), "w": (128, 64)})
     >>> (p,) = products(rule, geo)
     >>> refusal(p, geo, TILE_DOTS[0])  # float32 inputs
-    'the shared matrix is not stored as the tile\\'s operand dtype'
+    "the shared matrix is not stored as the tile's operand dtype"
     """
     return next((why for ok, why in CONDITIONS if not ok(p, geo, dot)), None)
 

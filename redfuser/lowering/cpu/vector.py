@@ -23,7 +23,7 @@ import numpy as np
 
 from algebra.dtypes import COMPUTE
 
-from ...tvm.target import cpu_has, cpu_target
+from ...tvm.target import cpu_has, host_target
 from ..fastmath import fast_exp
 from .int8_isa import AMX_INT8, AVX2_BYTES, AVX2_INT16, AVX512_VNNI, QMAX, DotIsa
 
@@ -128,7 +128,7 @@ def host_narrowing(dtype: str, lanes: int) -> str | None:
     >>> host_narrowing("float32", 16) is None
     True
     """
-    target = cpu_target()
+    target = host_target()
     return next((n.intrinsic for n in NARROWINGS if n.dtype == dtype and n.lanes == lanes and
                  cpu_has(target, n.feature)), None)
 
@@ -155,7 +155,7 @@ def host_isa() -> VectorIsa:
     >>> isa.fits(isa.gemm_rows, isa.gemm_vectors * isa.lanes)
     True
     """
-    target = cpu_target()
+    target = host_target()
     return next((isa for isa in VECTOR_ISAS if cpu_has(target, isa.feature)), VECTOR_ISAS[-1])
 
 
