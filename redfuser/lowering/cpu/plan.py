@@ -28,6 +28,7 @@ from ..geometry import Geometry
 from ..plan import Plan, check_variant
 from ..products import products, without
 from ..signature import F32
+from .amx import TILE_ROWS
 from .scores import product_reason, score_blocks, score_dot, score_product, score_reason
 from .tile_dots import TILE_DOTS, TileDot, host_tile_dot
 from .vector import host_caches, host_exp, host_isa, host_narrowing
@@ -459,7 +460,7 @@ def tile_plan(rule: FusionRule, geo: Geometry, variant: str | None, fast_math: b
     """
     rest = without(rule, products(rule, geo))
     lanes = vector_lanes(rest, geo) if rest.components else 1
-    block = 32  # 2 x 2 tiles of 16 x 16 sums
+    block = 2 * TILE_ROWS  # 2 x 2 tiles of 16 x 16 sums
     nc = min(TILE_GEMM["nc"][0], -(-geo.d // block) * block)
     why = (f"{'requested' if variant else f'{geo.r} rows hold matrix products'}; their "
            f"operands are {dot.operand} as stored: the products on {dot.name} tiles "
