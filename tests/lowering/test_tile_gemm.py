@@ -118,3 +118,59 @@ def test_a_plan_asking_for_tiles_on_float32_operands_is_refused_by_name():
                    tile_dot=AMX_BF16.name)
     with pytest.raises(ValueError, match="may not run on amx-bf16 tiles: the shared matrix"):
         redfuser.compile("rmsnorm_gemm", plan=plan, tune=False)(x=x, w=w, eps=1e-6)
+
+
+GAMMA = "r = sqrt(sum(x[i]**2) / N + eps)\ny = sum(x[i] * g[i] / r * w[i, :])"
+THREE = "r = sqrt(sum(x[i]**2) / N + eps)\ny = sum(x[i] * g[i] * h[i] / r * w[i, :])"
+
+
+def _gamma_inputs(m: int, k: int, n: int, seed: int = 2) -> dict:
+    """Positive terms: a sum that cancels is ill-conditioned, its float32 error (any
+    kernel's) no longer below the output's unit."""
+    rng = np.random.default_rng(seed)
+    return {"x": rng.uniform(0.1, 2.0, (m, k)).astype(BF16),
+            "w": (rng.uniform(0.5, 1.5, (k, n)) / k).astype(BF16), "eps": 1e-6,
+            "g": rng.uniform(0.5, 1.5, k).astype(BF16)}
+
+
+def test_a_product_of_three_inputs_is_refused_with_its_reason():
+    rule = redfuser.derive(THREE)
+    geo = shape_geometry(rule, {"x": (64, 256), "w": (256, 64), "g": (256,), "h": (256,)})
+    inputs = {k: dataclasses.replace(g, dtype="bfloat16") for k, g in geo.inputs.items()
+              if k != "eps"}
+    geo = dataclasses.replace(geo, inputs={**geo.inputs, **inputs})
+    (p,) = products(rule, geo)
+    assert refusal(p, geo, AMX_BF16) == CONDITIONS[3][1]
+
+
+@needs_host
+@pytest.mark.parametrize("shape", [(33, 700, 70), (256, 1024, 256)])
+def test_a_weight_per_element_runs_as_two_exact_bfloat16_terms(shape):
+    """a = x * g has 16 significant bits: hi (its bfloat16 rounding) + lo (the rest) hold it
+    exactly, so two tile passes give the float32 kernel's result."""
+    inputs = _gamma_inputs(*shape)
+    kernel = redfuser.compile(GAMMA, tune=False)
+    got = kernel(**inputs)
+    assert kernel.plan.tile_dot == AMX_BF16.name
+    assert_one_ulp(got["y"], oracle(GAMMA, inputs)["y"], BF16, f"y at {shape}")
+
+
+@needs_host
+def test_split_terms_keep_infinities_nans_and_products_past_bfloat16s_range():
+    """x * g = inf, NaN, or 1.4140625**2 * 2**127 (finite in float32, inf rounded to
+    bfloat16: the whole product goes into hi, whose rest would be NaN), and a product below
+    float32's normal range."""
+    inputs = _gamma_inputs(40, 300, 40, seed=3)
+    x, g = inputs["x"].copy(), inputs["g"].copy()
+    x[1, 5], x[2, 6], x[4, 9], g[9] = np.inf, np.nan, BF16(1.4140625 * 2.0**63), \
+        BF16(1.4140625 * 2.0**64)
+    assert np.isinf(BF16(np.float32(x[4, 9]) * np.float32(g[9])))
+    x[7, 20], g[20] = BF16(1e-20), BF16(1e-20)  # a product below float32's normal range
+    inputs.update(x=x, g=g)
+    kernel = redfuser.compile(GAMMA, tune=False)
+    got = kernel(**inputs)
+    assert kernel.plan.tile_dot == AMX_BF16.name
+    want = oracle(GAMMA, inputs)
+    fused = redfuser.compile(GAMMA, tune=False, variant="unfused")(**inputs)
+    assert_one_ulp(got["y"], want["y"], BF16, "y with special products")
+    assert_one_ulp(fused["y"], want["y"], BF16, "the float32 kernel, for comparison")

@@ -7,8 +7,10 @@ product is exact in float32 and the operands reach it as they are stored: a prod
 bfloat16 values has at most 2 x 8 significant bits, so it is exact in float32's 24, and
 the tile adds the products in float32, rounding to nearest even.  ``a(row, i)`` must
 therefore be a bfloat16 input itself (RMSNorm + GEMM's ``x``: its ``1 / r`` is applied at
-finalize): the unfused baseline's ``x / r``, rounded to bfloat16 for the tile, would lose
-bits that the float32 kernel keeps, so it stays on the register kernel.  The analysis is
+finalize), or a product of them (``x * g`` with a bfloat16 weight per element: 16 bits,
+exact in float32, held exactly by two bfloat16 terms, one tile pass each): the unfused
+baseline's ``x / r``, rounded to bfloat16 for the tile, would lose bits that the float32
+kernel keeps, so it stays on the register kernel.  The analysis is
 here; the nest is ``bf16_tiles``.
 """
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import sympy as sp
 
 from algebra.rule import FusionRule
 
@@ -25,6 +29,7 @@ from ..products import Product, products
 from ..signature import F32
 
 BF16 = "bfloat16"
+MAX_TERMS = 2  # tile passes per product (two: 2 x 6.3 ms at 256 x 4096 -> 4096 < 22)
 
 
 @dataclass(frozen=True)
@@ -51,11 +56,23 @@ def _stored_as(name: str, geo: Geometry, dtype: str) -> bool:
     return name in geo.inputs and geo.inputs[name].dtype == dtype
 
 
-def _operand_input(p: Product, geo: Geometry, dtype: str) -> bool:
-    """Is a(row, i) an input of ``dtype`` as it is stored: one value per row and element?"""
-    a = p.row_factor
-    return (a.is_Symbol and _stored_as(a.name, geo, dtype) and
-            geo.inputs[a.name].length == geo.n and geo.inputs[a.name].width == 1)
+def operand_factors(p: Product, geo: Geometry, dtype: str) -> list[sp.Symbol] | None:
+    """a(row, i) as a product of inputs stored as ``dtype``, each one value per element
+    (``x``, or ``x * g`` with a weight per element); None where it is anything else."""
+    factors = sp.Mul.make_args(p.row_factor)
+    if not all(f.is_Symbol and _stored_as(f.name, geo, dtype) and
+               geo.inputs[f.name].length == geo.n and geo.inputs[f.name].width == 1
+               for f in factors):
+        return None
+    return list(factors)
+
+
+def terms(p: Product, geo: Geometry, dot: TileDot) -> int:
+    """How many operand-dtype values hold a(row, i) exactly: one per factor.  A product of
+    k bfloat16 values has at most 8 k significant bits, exact in float32 for k <= 3; its
+    top 8 bits rounded to bfloat16, then the rest, give k bfloat16 terms whose sum is it
+    (``tile_gemm``: one tile pass per term)."""
+    return len(operand_factors(p, geo, dot.operand) or ())
 
 
 # (condition a product must meet, why a product failing it stays on the float32 kernel)
@@ -63,9 +80,12 @@ CONDITIONS: tuple[tuple[Callable[[Product, Geometry, TileDot], bool], str], ...]
     (lambda p, geo, dot: geo.compute == F32, "the kernel does not compute in float32"),
     (lambda p, geo, dot: _stored_as(p.weight, geo, dot.operand),
      "the shared matrix is not stored as the tile's operand dtype"),
-    (lambda p, geo, dot: _operand_input(p, geo, dot.operand),
-     "a(row, i) is not an input stored as the tile's operand dtype: rounding it to that "
-     "dtype would lose bits the float32 kernel keeps"),
+    (lambda p, geo, dot: operand_factors(p, geo, dot.operand) is not None,
+     "a(row, i) is not a product of inputs stored as the tile's operand dtype: rounding it "
+     "to that dtype would lose bits the float32 kernel keeps"),
+    (lambda p, geo, dot: terms(p, geo, dot) <= MAX_TERMS,
+     f"a(row, i) is a product of more than {MAX_TERMS} inputs: one tile pass per factor "
+     "would cost more than the float32 kernel"),
 )
 
 

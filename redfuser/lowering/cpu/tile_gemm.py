@@ -31,12 +31,13 @@ from algebra.rule import FusionRule
 from ...tvm.ir import T, tirx
 from ...tvm.target import cpu_has, host_target
 from ..emitter import Emitter
+from ..fastmath import isfinite, isnan
 from ..geometry import Geometry
 from ..invariants import rule_scores
 from ..nests import workspace
-from ..products import products, without
+from ..products import Product, products, without
 from ..signature import F32
-from ..texpr import BF16_BITS
+from ..texpr import BF16_BITS, share, stored
 from .amx import (
     A_TILES,
     B_TILES,
@@ -51,7 +52,7 @@ from .amx import (
 )
 from .gemm import fold_statistics, merged_statistics, row_results
 from .plan import EMITTER_OPTIONS, CpuPlan, rows_loop
-from .tile_dots import TileDot, refusal, tile_dot_named
+from .tile_dots import TileDot, refusal, terms, tile_dot_named
 
 BLOCK = 2 * TILE_ROWS  # rows and columns of a block of 2 x 2 C tiles
 PAIR = 2  # k values per 32-bit word of a B tile row
@@ -76,17 +77,19 @@ def rolling(rule: FusionRule, geo: Geometry, plan: CpuPlan, bufs: dict, results:
                    for r in (rule, rest))
     rows, depth = _round_up(geo.r, BLOCK), _round_up(geo.n, plan.kc)
     width = _round_up(geo.d, BLOCK)
-    us = {p.state: T.alloc_buffer((rows, depth), BF16_BITS) for p in found}
+    us = {p.state: [T.alloc_buffer((rows, depth), BF16_BITS) for _ in range(terms(p, geo, dot))]
+          for p in found}
     sums = {p.state: Flat(T.alloc_buffer((rows * width,), F32), width) for p in found}
     work = workspace(rest, geo, geo.r) if rest.components else None
     with rows_loop(geo)(0, geo.r) as r:
         if work is not None:
             fold_statistics(em_rest, plan, fold, work, r, 0, geo.n, r)
         for p in found:
-            _copy_row(em, p.row_factor.name, us[p.state], r, geo.n, depth)
+            _operand_row(em, p, us[p.state], r, depth)
     for p in found:
         sums[p.state].declare()
-        _zero_rows(us[p.state], geo.r)
+        for u in us[p.state]:
+            _zero_rows(u, geo.r)
         Tiles(dot.intrinsic, plan, geo, us[p.state],
               bufs[p.weight]).product(sums[p.state])
     with rows_loop(geo)(0, geo.r) as r:
@@ -110,18 +113,52 @@ def _check(found: list, geo: Geometry, dot: TileDot, plan: CpuPlan) -> None:
                          "may use")
 
 
-def _copy_row(em: Emitter, name: str, u, r, n: int, depth: int) -> None:
-    """u[r, :] = the bits of input ``name``'s row r, zeros past n."""
-    src = em.bufs[name]
-    row = em.row_of(name, r)
-    lanes = TILE_BYTES // 2
+def _operand_row(em: Emitter, p: Product, us: list, r, depth: int) -> None:
+    """Row r of a(row, i) as ``len(us)`` bfloat16 terms (``tile_dots.terms``), zeros past N:
+    one input's bits as they are, or the exact float32 product of two split into its top
+    8 significant bits (``_top``) and the rest (``_rest``, exact in bfloat16)."""
+    n, lanes = em.geo.n, TILE_BYTES // 2
+
+    def store(k):
+        if len(us) == 1:
+            (name,) = (f.name for f in p.row_factor.free_symbols)
+            T.buffer_store(us[0], em.bufs[name][em.row_of(name, r), k, 0], [r, k])
+            return
+        def a():  # a fresh expression per use: one that binds variables may appear once
+            return em.expr(p.row_factor, em.base_lookup(r, k))
+
+        T.buffer_store(us[0], share(a(), _top), [r, k])
+        T.buffer_store(us[1], share(a(), _rest), [r, k])
+
     with T.serial(0, n // lanes) as c:
         with T.vectorized(0, lanes) as j:
-            T.buffer_store(u, src[row, c * lanes + j, 0], [r, c * lanes + j])
+            store(c * lanes + j)
     with T.serial(n // lanes * lanes, n) as k:
-        T.buffer_store(u, src[row, k, 0], [r, k])
+        store(k)
     with T.serial(n, depth) as k:
-        T.buffer_store(u, tirx.const(0, BF16_BITS), [r, k])
+        for u in us:
+            T.buffer_store(u, tirx.const(0, BF16_BITS), [r, k])
+
+
+def _top(value):
+    """The top half of value's bits (its first 8 significant bits, truncated: a finite
+    value stays finite, where rounding could carry it past bfloat16's largest to inf); a
+    NaN rounded, so that a payload in the low half stays a NaN."""
+    bits = tirx.reinterpret(U32, value)
+    top = tirx.Cast(BF16_BITS, tirx.shift_right(bits, tirx.const(16, U32)))
+    return tirx.Select(isnan(value), stored(value, BF16_BITS), top)
+
+
+def _rest(value):
+    """value - top, exact in bfloat16 for a product of two bfloat16 values (at most 8 more
+    significant bits, of value's sign); 0 where value is not finite."""
+    def minus(hi):
+        wide = tirx.reinterpret(F32, tirx.shift_left(tirx.Cast(U32, tirx.Cast(U16, hi)),
+                                                     tirx.const(16, U32)))
+        return tirx.Select(isfinite(value), stored(value - wide, BF16_BITS),
+                           tirx.const(0, BF16_BITS))
+
+    return share(_top(value), minus)
 
 
 def _zero_rows(u, first: int) -> None:
@@ -155,10 +192,13 @@ class Flat:
 
 
 class Tiles:
-    """sums = u @ W on 2 x 2 blocks of C tiles (see the module docstring)."""
+    """sums = (sum of the terms us) @ W on 2 x 2 blocks of C tiles (see the module
+    docstring): per 32 k values, W's two B tiles are loaded once and each term's two A
+    tiles in turn."""
 
-    def __init__(self, intrinsic: str, plan: CpuPlan, geo: Geometry, u, w):
-        self.intrinsic, self.plan, self.geo, self.u, self.w = intrinsic, plan, geo, u, w
+    def __init__(self, intrinsic: str, plan: CpuPlan, geo: Geometry, us: list, w):
+        self.intrinsic, self.plan, self.geo, self.us, self.w = intrinsic, plan, geo, us, w
+        self.u = us[0]  # the shape every term shares
         self.group = plan.nc // BLOCK  # panels packed together
         self.panels = _round_up(geo.d, BLOCK) // BLOCK
 
@@ -218,14 +258,16 @@ class Tiles:
                             sum_bytes)
         with T.serial(0, plan.kc // (TILE_BYTES // 2)) as ks:
             k0 = kb * plan.kc + ks * (TILE_BYTES // 2)
-            for i, a in enumerate(A_TILES):
-                tile_op("tileloadd64", tile_reg(a), address(u, b * BLOCK + i * TILE_ROWS, k0),
-                        row_bytes)
             for j, bt in enumerate(B_TILES):
                 tile_op("tileloadd64", tile_reg(bt),
                         address(packed, q, ks * TILE_ROWS, j * TILE_ROWS), byte_stride(BLOCK * 4))
-            for t, (i, j) in enumerate(C_TILES):
-                tile_op(self.intrinsic, tile_reg(t), tile_reg(A_TILES[i]), tile_reg(B_TILES[j]))
+            for term in self.us:
+                for i, a in enumerate(A_TILES):
+                    tile_op("tileloadd64", tile_reg(a),
+                            address(term, b * BLOCK + i * TILE_ROWS, k0), row_bytes)
+                for t, (i, j) in enumerate(C_TILES):
+                    tile_op(self.intrinsic, tile_reg(t), tile_reg(A_TILES[i]),
+                            tile_reg(B_TILES[j]))
         for t, (i, j) in enumerate(C_TILES):
             tile_op("tilestored64", tile_reg(t),
                     sums.tile(b * BLOCK + i * TILE_ROWS, col0 + j * TILE_ROWS), sum_bytes)
