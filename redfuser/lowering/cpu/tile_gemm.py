@@ -4,13 +4,15 @@ rest of the cascade beside them: RMSNorm + GEMM with bfloat16 activations and we
 ``tdpbf16ps C, A, B`` adds to each float32 C[r, c] (16 x 16) the products of row r of A
 (16 rows of 32 k values, 64 bytes) with column c of B, whose row kp holds the pairs
 (W[2 kp, c], W[2 kp + 1, c]) of its 16 columns: W packed in k-pairs, one 32-bit word per
-(kp, column).  The A tiles are loaded from a copy of ``a(row, i)``'s bits, padded with
-zeros to whole tiles.  Why the result is the float32 kernel's is ``tile_dots``.
+(kp, column).  The A tiles are loaded from ``a(row, i)`` as bfloat16 terms whose sum is
+it exactly (``tile_dots.terms``: an input's own bits, or the two halves of a product of
+two), padded with zeros to whole tiles; each term is one pass of the tiles.  Why the
+result is the float32 kernel's is ``tile_dots``.
 
 The nest, three passes:
 
 1. rows in parallel: the rest of the cascade (RMSNorm's ``sum(x**2)``) over the whole row
-   into a workspace, and the row's operand bits copied into ``u`` (rows rounded up to
+   into a workspace, and the row's operand terms written into ``us`` (rows rounded up to
    blocks of 32, K to blocks of ``plan.kc``, zeros past the ends: tile loads read whole
    tiles, and a zero times W's zero padding adds nothing);
 2. groups of ``plan.nc / 32`` panels of 32 columns in parallel.  Per K block of ``plan.kc``
@@ -124,6 +126,7 @@ def _operand_row(em: Emitter, p: Product, us: list, r, depth: int) -> None:
             (name,) = (f.name for f in p.row_factor.free_symbols)
             T.buffer_store(us[0], em.bufs[name][em.row_of(name, r), k, 0], [r, k])
             return
+
         def a():  # a fresh expression per use: one that binds variables may appear once
             return em.expr(p.row_factor, em.base_lookup(r, k))
 
