@@ -10,7 +10,7 @@ from algebra.cascade import carries_feature_axis
 from algebra.functions import Dot
 from algebra.rule import FusionRule
 
-from ...tvm.target import cpu_target, default_threads
+from ...tvm.target import default_threads, host_target
 from ..geometry import Geometry
 from ..plan import MIN_PIECE, SPLIT_VALUES, Param
 from .plan import (
@@ -72,14 +72,18 @@ def plan_fits(plan: CpuPlan) -> bool:
 
 
 def machine_id() -> str:
-    """What a measurement here is valid for: CPU name, cores and runtime threads.
+    """What a measurement here is valid for: the CPU's name with the features the kernels
+    are built for beyond it (``host_target``: a tile plan is measured only where AMX is),
+    cores and runtime threads.
 
     Examples
     --------
     >>> machine_id().count("/")
     2
     """
-    return f"{cpu_target()['mcpu']}/{os.cpu_count()} cpus/{default_threads()} threads"
+    target = host_target()
+    cpu = target["mcpu"] + "".join(target.get("mattr", ()))
+    return f"{cpu}/{os.cpu_count()} cpus/{default_threads()} threads"
 
 
 def stage_lanes(rule: FusionRule, geo: Geometry) -> tuple[bool, ...]:
