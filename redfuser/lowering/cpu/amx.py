@@ -49,6 +49,14 @@ def byte_stride(nbytes) -> object:
     return tirx.const(int(nbytes), "int64")
 
 
+def zero_rows(u, first: int) -> None:
+    """The padding rows of ``u`` past the ``first`` real ones: tile loads read whole
+    blocks of rows, and a zero row adds nothing."""
+    with T.serial(first, u.shape[0]) as r:
+        with T.serial(0, u.shape[1]) as k:
+            T.buffer_store(u, tirx.Cast(u.dtype, tirx.const(0, "int32")), [r, k])
+
+
 def configure() -> None:
     """ldtilecfg: palette 1, every tile 16 rows of 64 bytes (zero elsewhere, as required)."""
     cfg = T.alloc_buffer((CONFIG_BYTES,), U8, scope="local")

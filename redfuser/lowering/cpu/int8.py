@@ -18,6 +18,7 @@ from algebra.dtypes import argument_dtype
 from ...tvm.ir import IRBuilder, T, arg_buffer, tirx
 from ..signature import F32, I32
 from ..texpr import const, loaded, round_half_even
+from .amx import zero_rows
 from .int8_isa import I8, QMAX, DotIsa, check_k, check_range
 from .int8_kernel import gemm, lanes_of, like
 from .int8_pack import ROW_LANES, arguments, pack_into, scratch_shapes, weight_shapes
@@ -30,13 +31,6 @@ def _exact(isa: DotIsa, colsum, col, acc):
     if not isa.offset:
         return acc
     return acc - like(tirx.const(isa.offset, I32), acc) * colsum[col]
-
-
-def _zero_rows(u, first: int):
-    """The padding rows of ``u`` past the m real ones (tile loads read whole blocks)."""
-    with T.serial(first, u.shape[0]) as r:
-        with T.serial(0, u.shape[1]) as kk:
-            T.buffer_store(u, tirx.Cast(u.dtype, tirx.const(0, I32)), [r, kk])
 
 
 def int8_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "int8_gemm"):
@@ -65,7 +59,7 @@ def int8_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "int8_gemm"):
                     inside = tirx.Cast(I32, q[r, tirx.min(kk, k - 1)]) + isa.offset
                     value = tirx.Select(kk < k, inside, tirx.const(0, I32))
                     T.buffer_store(u, tirx.Cast(isa.a_dtype, value), [r, kk])
-            _zero_rows(u, m)
+            zero_rows(u, m)
             gemm(isa, bufs, (m, k, n), lambda r, col, acc: T.buffer_store(
                 y, _exact(isa, colsum, col, acc), [r, col]))
     return ib.get()
@@ -102,7 +96,7 @@ def quant_gemm(isa: DotIsa, m: int, k: int, n: int, name: str = "quant_gemm",
                 pack_into(isa, given["wq"], bufs["packed"], bufs.get("colsum"), k, n)
             with T.parallel(0, m) as r:
                 _quantize_row(isa, x, bufs["u"], bufs["amax"], r, k)
-            _zero_rows(bufs["u"], m)
+            zero_rows(bufs["u"], m)
             gemm(isa, bufs, (m, k, n), _scaled(isa, y, bufs.get("colsum"), bufs["amax"], ws))
     return ib.get()
 

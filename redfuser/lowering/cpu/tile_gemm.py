@@ -51,6 +51,7 @@ from .amx import (
     configure,
     tile_op,
     tile_reg,
+    zero_rows,
 )
 from .gemm import fold_statistics, merged_statistics, row_results
 from .plan import EMITTER_OPTIONS, CpuPlan, rows_loop
@@ -91,7 +92,7 @@ def rolling(rule: FusionRule, geo: Geometry, plan: CpuPlan, bufs: dict, results:
     for p in found:
         sums[p.state].declare()
         for u in us[p.state]:
-            _zero_rows(u, geo.r)
+            zero_rows(u, geo.r)
         Tiles(dot.intrinsic, plan, geo, us[p.state],
               bufs[p.weight]).product(sums[p.state])
     with rows_loop(geo)(0, geo.r) as r:
@@ -162,13 +163,6 @@ def _rest(value):
                            tirx.const(0, BF16_BITS))
 
     return share(_top(value), minus)
-
-
-def _zero_rows(u, first: int) -> None:
-    """The padding rows of ``u`` past the real ones (tile loads read whole blocks)."""
-    with T.serial(first, u.shape[0]) as r:
-        with T.serial(0, u.shape[1]) as k:
-            T.buffer_store(u, tirx.const(0, BF16_BITS), [r, k])
 
 
 class Flat:
