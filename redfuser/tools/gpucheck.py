@@ -3,6 +3,9 @@
 Without a CUDA device it says so and exits 0 (CI has no GPU); with one, every library
 cascade in every variant is run and compared (float32 tolerance as in the tests), the FP8
 (e4m3) per-token quantization + GEMM against numpy's quantize-then-GEMM (``fp8_reference``),
+every library cascade in bfloat16 and float16 against the oracle rounded to the dtype, and
+every library op's forward and derived backward kernels through ``redfuser.torch`` against
+central differences of the oracle (``oracle_checks``, which the tests run on the CPU),
 then the benchmark workloads are timed against torch on the GPU when torch has CUDA.
 """
 
@@ -20,6 +23,7 @@ from ..lowering.cuda.fp8 import FP8_MAX, fp8_quant_gemm
 from ..tvm.runtime import build, from_numpy, time_ms
 from ..tvm.target import cuda_target, device
 from .bench import workloads
+from .oracle_checks import check_dtypes, check_training, first_line
 from .quant_bench import ROWS, K, N
 
 VARIANTS = ("rolling", "split", "unfused")
@@ -41,7 +45,7 @@ def check_correctness(n: int = 3000) -> int:
                 out = redfuser.compile(name, target="cuda", variant=variant)(**inputs)
             except Exception as e:  # noqa: BLE001 - reported, and the check goes on
                 failures += 1
-                print(f"FAIL {name:<18} {variant:<8} {_first_line(e)}", flush=True)
+                print(f"FAIL {name:<18} {variant:<8} {first_line(e)}", flush=True)
                 continue
             worst = max(float(np.nanmax(np.abs(out[k] - ref[k]) / (1e-5 + np.abs(ref[k]))))
                         for k in ref)
@@ -51,11 +55,6 @@ def check_correctness(n: int = 3000) -> int:
             print(f"{'ok  ' if ok else 'FAIL'} {name:<18} {variant:<8} max rel err {worst:.1e}",
                   flush=True)
     return failures
-
-
-def _first_line(e: Exception) -> str:
-    lines = [ln for ln in str(e).splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:200]
 
 
 def fp8_reference(x: np.ndarray, wq: np.ndarray, ws: np.ndarray) -> tuple:
@@ -131,7 +130,7 @@ def timings() -> int:
             out, ref = kernels[0](**few), redfuser.reference(w.spec, few)
         except Exception as e:  # noqa: BLE001 - reported, and the check goes on
             failures += 1
-            print(f"FAIL {w.name:<34} {_first_line(e)}", flush=True)
+            print(f"FAIL {w.name:<34} {first_line(e)}", flush=True)
             continue
         err = max(float(np.nanmax(np.abs(out[k] - ref[k])) / max(np.nanmax(np.abs(ref[k])),
                                                                  1e-30)) for k in ref)
@@ -169,7 +168,9 @@ def main() -> int:
         failures += check_fp8()
     except Exception as e:  # noqa: BLE001 - reported, and the check goes on
         failures += 1
-        print(f"FAIL fp8 quant+gemm {_first_line(e)}", flush=True)
+        print(f"FAIL fp8 quant+gemm {first_line(e)}", flush=True)
+    failures += check_dtypes("cuda")
+    failures += check_training("cuda")
     failures += timings()
     print(f"gpu-check: {failures} failure(s)")
     return 1 if failures else 0

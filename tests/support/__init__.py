@@ -19,6 +19,7 @@ from hypothesis.extra import numpy as hnp
 
 import redfuser
 from algebra.library import STAGED
+from algebra.oracle_measures import central_differences as central_differences
 from redfuser.tvm.graph import relax
 
 # the generated specs and cascades live in their own module; test modules import them from here
@@ -26,7 +27,6 @@ from tests.support.generated import SAFETY as SAFETY
 from tests.support.generated import TEXT as TEXT
 from tests.support.generated import cascade_inputs as cascade_inputs
 from tests.support.generated import cascades as cascades
-from tests.support.generated import central_differences as central_differences
 from tests.support.generated import make_inputs as make_inputs
 from tests.support.generated import sensitivity as sensitivity
 from tests.support.generated import specs as specs

@@ -247,33 +247,3 @@ def sensitivity(spec: str, twin: str, inputs: dict, rows: tuple,
             shaky = shaky | ~kept.reshape(rows + (-1,)).all(axis=-1)
             out[k] = np.where(kept, np.nan_to_num(diff, nan=0.0, posinf=0.0), np.inf)
     return out
-
-
-
-
-# -- central differences of the oracle (the backward property tests) ------------------------
-
-def central_differences(spec: str, inputs: dict, upstream: dict, name: str, step: float,
-                        rows: tuple | None = None) -> np.ndarray:
-    """d/d ``name`` of sum(upstream[o] * reference(spec)[o]), by central differences in
-    float64.  With ``rows``, inputs are broadcast to them first, so an input the rows share
-    (shape (1, N, D)) gets the sum over the rows of its per-row derivatives."""
-    base = {k: np.asarray(v, np.float64) for k, v in inputs.items()}
-    out = np.zeros_like(base[name])
-    for idx in np.ndindex(out.shape):
-        h = step * max(1.0, abs(base[name][idx]))
-        moved = []
-        for sign in (1, -1):
-            value = base[name].copy()
-            value[idx] += sign * h
-            moved.append(_loss(spec, base | {name: value}, upstream, rows))
-        out[idx] = (moved[0] - moved[1]) / (2 * h)
-    return out
-
-
-def _loss(spec: str, inputs: dict, upstream: dict, rows: tuple | None) -> float:
-    if rows is not None:
-        inputs = {k: np.broadcast_to(v, (*rows, *np.shape(v)[len(rows):]))
-                  for k, v in inputs.items()}
-    ref = redfuser.reference(spec, inputs)
-    return float(sum(np.sum(upstream[o] * ref[o]) for o in upstream))
