@@ -29,6 +29,7 @@ from ..plan import Plan, check_variant
 from ..products import products, without
 from ..signature import F32
 from .amx import TILE_ROWS
+from .prefetch import rows_ahead
 from .scores import product_reason, score_blocks, score_dot, score_product, score_reason
 from .tile_dots import TILE_DOTS, TileDot, host_tile_dot
 from .vector import host_caches, host_exp, host_isa, host_narrowing
@@ -134,11 +135,16 @@ class CpuPlan(Plan):
     mc: int = 0
     nt: int = 0
     tile_dot: str = ""  # the products on this row of ``tile_dots.TILE_DOTS`` ("": FMAs)
+    ahead: int = 0  # rows ahead whose streams are prefetched (``prefetch.py``; 0: none)
 
-    terse: ClassVar[frozenset[str]] = frozenset({"row_block", "tile_dot", *GEMM_FIELDS})
+    terse: ClassVar[frozenset[str]] = frozenset({"row_block", "tile_dot", "ahead",
+                                                 *GEMM_FIELDS})
     retired: ClassVar[Mapping[str, tuple[int, ...]]] = {"threads": (1,)}  # CUDA's, unset
 
     def __post_init__(self) -> None:
+        if self.ahead < 0:
+            raise ValueError(f"plan parameter ahead (rows prefetched ahead) must be >= 0, not "
+                             f"{self.ahead}")
         names = [dot.name for dot in TILE_DOTS]
         if self.tile_dot and self.tile_dot not in names:
             raise ValueError(f"plan parameter tile_dot must be one of {names} or '' (the "
@@ -153,6 +159,7 @@ class CpuPlan(Plan):
 
     def details(self) -> str:
         extra = f", blocks of {self.row_block} rows" if self.row_block > 1 else ""
+        extra += f", prefetch {self.ahead} row(s) ahead" if self.ahead else ""
         kernel = f"{self.tile_dot} tiles" if self.tile_dot else "GEMM micro-kernel"
         return extra + (f", {kernel} {self.mr} x {self.nr}, KC {self.kc}, NC "
                         f"{self.nc}, MC {self.mc}, NT {self.nt}" if self.mr else "")
@@ -302,8 +309,10 @@ def choose(rule: FusionRule, geo: Geometry, variant: str | None = None,
     rows = ("one thread (less work than PARALLEL_MIN_WORK)" if one_thread(geo) else
             "rows in parallel")
     block = row_block_for(geo, lanes, threads)
+    tile = BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n)
+    ahead = rows_ahead(geo, one_thread(geo)) if lanes > 1 and tile > 1 else 0
     plan = CpuPlan("rolling", lanes, 1, fast_math, f"{why}; {rows}, one pass each",
-                tile=BLOCK_TILE if block > 1 else tile_for(rule, lanes, geo.n), row_block=block)
+                   tile=tile, row_block=block, ahead=ahead)
     if stash_applies(rule, geo, plan):
         plan = dataclasses.replace(plan, reason=plan.reason + "; per-element outputs stashed "
                                    "by the statistics pass (one multiply to finish)")

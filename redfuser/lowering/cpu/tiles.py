@@ -32,6 +32,7 @@ from ..invariants import split_invariant
 from ..registers import Const0, States
 from ..texpr import const
 from .plan import ISA, LANES
+from .prefetch import prefetch_rows
 
 FEATURE_CHUNKS = 8  # D / vector lanes from which dots run along the features (tile_dots)
 FEATURE_GROUPS = (4, 2, 1)  # elements a step of those dots covers, most first
@@ -101,12 +102,15 @@ def _tile(em: Emitter, st: States, r, base, lanes: int, size: int, aligned: bool
     dots = tile_dots(em, [r], base, lanes * size)[0] if lanes == 1 else None
     with _lane_loop(lanes) as lane:
         _start(st, at + lane, size)
-    for level in levels(em.rule, em.components):
+    grouped = levels(em.rule, em.components)
+    for level in grouped:
         with _lane_loop(lanes) as lane:
             _hold(em, st, level, at + lane, r)
         bases = tile_bases(em, st, level, r, base, size, dots, at) if lanes == 1 else \
             [None] * len(level)
         with T.serial(0, size) as k:
+            if em.plan.ahead and level is grouped[-1]:  # the row is in L1 by now
+                prefetch_rows(em, r, base + k * lanes, lanes, em.plan.ahead)
             with _lane_loop(lanes) as lane:
                 for comp, pre in zip(level, bases, strict=True):
                     em.tile_step(st, comp, lane if em.lowering(comp).direct else at + lane,

@@ -135,10 +135,11 @@ def host_narrowing(dtype: str, lanes: int) -> str | None:
 
 @dataclass(frozen=True)
 class Caches:
-    """Per-core data cache sizes in bytes."""
+    """Per-core data cache sizes and the cache line, in bytes."""
 
     l1: int
     l2: int
+    line: int = 64
 
 
 DEFAULT_CACHES = Caches(l1=32 << 10, l2=1 << 20)  # where Linux does not say (other systems)
@@ -183,8 +184,8 @@ def isa_for(target: dict, lowest: int = -QMAX) -> DotIsa:
 
 @lru_cache(maxsize=1)
 def host_caches() -> Caches:
-    """The L1 data and L2 sizes of CPU 0 as Linux reports them (``DEFAULT_CACHES`` where it
-    does not).
+    """The L1 data and L2 sizes and the line of CPU 0 as Linux reports them
+    (``DEFAULT_CACHES`` where it does not).
 
     Examples
     --------
@@ -192,14 +193,16 @@ def host_caches() -> Caches:
     >>> caches.l2 > caches.l1 > 0
     True
     """
-    found = {}
+    found, line = {}, DEFAULT_CACHES.line
     for index in sorted(CACHE_DIR.glob("index*")):
         try:
             if (index / "type").read_text().strip() != "Instruction":
                 found[int((index / "level").read_text())] = _bytes((index / "size").read_text())
+                line = int((index / "coherency_line_size").read_text())
         except (OSError, ValueError):
             continue  # an entry Linux does not fill in: the default stands
-    return Caches(l1=found.get(1) or DEFAULT_CACHES.l1, l2=found.get(2) or DEFAULT_CACHES.l2)
+    return Caches(l1=found.get(1) or DEFAULT_CACHES.l1, l2=found.get(2) or DEFAULT_CACHES.l2,
+                  line=line)
 
 
 def _bytes(text: str) -> int:
