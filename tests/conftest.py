@@ -35,6 +35,12 @@ os.environ["REDFUSER_CACHE"] = tempfile.mkdtemp(prefix="redfuser-test-cache-")
 # registered backwards again, so a test would check what an earlier version traced.
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="redfuser-test-inductor-")
 
+# The two pytest workers share the cores: after each of torch's parallel ops libgomp's idle
+# workers spin ~10 ms (300000 turns) on the core the other worker's kernel waits for; the
+# training notebook took 137 s beside the bfloat16 Mixtral test, 27 s with them asleep.
+# libgomp reads this when torch loads, which no test module has done yet.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True, **_COMMON)
 settings.register_profile("dev", print_blob=True, **_COMMON)
 settings.register_profile("thorough", **{**_COMMON, "max_examples": 400,  # local bug hunts

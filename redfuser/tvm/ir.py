@@ -42,6 +42,11 @@ def arg_buffer(name: str, shape: tuple, dtype: str = "float32"):
     return T.match_buffer(T.arg(name, T.handle()), shape, dtype, align=ALIGNMENT)
 
 
+def argument_dtypes(func) -> set[str]:
+    """The dtypes of a PrimFunc's buffer arguments."""
+    return {str(p.dtype) for p in func.params if is_buffer_var(p)}
+
+
 def arg_alias(buf, shape: tuple, dtype: str = "float32"):
     """A view of argument buffer ``buf`` with another (flattened) shape over the same
     memory, aligned as the argument is."""

@@ -35,7 +35,7 @@ def test_training_steps_match_the_oracle_and_each_kernel_compiles_for_cuda(monke
 
     def record(kernel, out=None, **inputs):
         key = kernel.rule.cascade.text
-        calls.setdefault(key, (kernel.rule, {k: np.array(v) if isinstance(v, torch.Tensor)
+        calls.setdefault(key, (kernel.rule, {k: v.numpy().copy() if isinstance(v, torch.Tensor)
                                              else v for k, v in inputs.items()}))
         return run(kernel, out, **inputs)
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from redfuser.relax import FuseCascadedReductions, build, run
+from redfuser.relax.pipeline import _schedule_each
 from redfuser.tvm.graph import import_torch, relax
 
 NUMPY = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16}
@@ -196,3 +197,27 @@ def test_a_per_row_result_in_low_precision_is_rounded_once():
     m = s.max(-1)
     want = m + np.log(np.exp(s - m[..., None]).sum(-1))
     assert_one_ulp(np.asarray(out), want, ml_dtypes.bfloat16)
+
+
+class BatchedProduct(nn.Module):
+    """A batched product of bfloat16 operands into float32 (a Mixtral block holds one)."""
+
+    def forward(self, a, b):
+        return torch.matmul(a.to(torch.bfloat16), b.to(torch.bfloat16)).float()
+
+
+def test_low_precision_products_outside_cascades_skip_dlights_gemv_rule():
+    """dlight's CPU GEMV schedule gathers 128 strided bfloat16 lanes per vector, unrolled 64
+    times, which took LLVM 112 s to compile for a (64, 256, 64) x (64, 64, 1) product of a
+    tiny Mixtral; ``pipeline._schedule_each`` leaves low-precision functions to its
+    Reduction rule.  The product still computes what torch does."""
+    a, b = torch.randn(64, 256, 64), torch.randn(64, 64, 1)
+    mod = import_torch(BatchedProduct(), (a, b))
+    scheduled = relax.transform.LegalizeOps()(mod)
+    text = "\n".join(f.script() for gv, f in _schedule_each(scheduled).functions_items()
+                     if gv.name_hint != "main")
+    assert "x128" not in text
+    got = run(build(mod, fuse=False)[0], a.numpy(), b.numpy())
+    got = got[0] if isinstance(got, list) else got
+    want = BatchedProduct()(a, b).numpy()  # torch rounds the product to bfloat16: 1e-2
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
