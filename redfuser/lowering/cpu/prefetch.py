@@ -25,8 +25,8 @@ from .amx import address
 from .vector import host_caches
 
 # Bytes of the stream inputs in flight ahead of the row being folded: one row of 4096
-# float32 (two rows ahead in bfloat16 measured as well as three or four; one row ahead,
-# 25% less of the gain)
+# float32.  bfloat16 softmax 4096 x 4096, medians in one process: none 6.30 ms, one row
+# (8 KB) ahead 5.59, two rows 4.87; in another run two, three and four rows 5.13, 5.01, 4.62
 AHEAD_BYTES = 16 << 10
 L2_LOCALITY = 2  # llvm.prefetch's locality 2: prefetcht1 on x86, into L2
 READ, DATA = 0, 1  # llvm.prefetch's rw (a read) and cache type (data)
