@@ -12,10 +12,12 @@ target (docs/precision.md): within one unit on at least 99.9% of the elements
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from .reference import reference
 
+LOW = (ml_dtypes.bfloat16, np.float16)  # the low-precision storage dtypes measured in ulps
 BEYOND_ONE = 1e-3  # the share of elements that may be more than one unit away
 WORST = 2.0  # units in the last place, everywhere
 

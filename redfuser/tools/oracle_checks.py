@@ -10,14 +10,12 @@ not counted).
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 import redfuser
 from algebra.library import example_inputs
-from algebra.oracle_measures import central_differences, one_ulp_failure
+from algebra.oracle_measures import LOW, central_differences, one_ulp_failure
 
-LOW = (ml_dtypes.bfloat16, np.float16)
 # float32 statistics from the same low-precision values: float32 sums of at most a few
 # hundred O(1) terms against float64 (the float32 check's tolerance)
 STAT_TOL = 2e-5

@@ -18,7 +18,7 @@ from algebra.oracle_measures import one_ulp_failure
 from redfuser.kernel import Kernel
 from redfuser.tools.oracle_checks import check_dtypes, check_training
 from redfuser.tvm.cuda import nvcc_compile
-from tests.support import needs_nvcc
+from tests.support import KERNEL_TOL, needs_nvcc
 
 # one op of each backward shape: row cascade (softmax), rows + a column cascade over the
 # rows (layernorm's dg, db), coefficients through the scores (attention), sorted ranges
@@ -84,3 +84,5 @@ def test_the_device_call_path_copies_inputs_over_and_results_back(kind):
     out = {"y": np.zeros_like(x)}
     device(x=given, out=out)
     np.testing.assert_array_equal(out["y"], want["y"])
+    ref = redfuser.reference("softmax", {"x": x.astype(np.float64)})
+    np.testing.assert_allclose(out["y"], ref["y"], rtol=KERNEL_TOL, atol=KERNEL_TOL)

@@ -17,6 +17,8 @@ import redfuser
 from redfuser.lowering.cpu.plan import CpuPlan
 from redfuser.lowering.cpu.prefetch import AHEAD_BYTES, LINE
 from redfuser.tune.space import plan_from_params, plan_params
+from tests.support import KERNEL_TOL
+from tests.support.precision import assert_one_ulp, oracle
 
 
 def _softmax(dtype, rows: int, n: int):
@@ -43,6 +45,11 @@ def test_rows_ahead_cover_the_bytes_in_flight_and_change_no_bit(dtype):
     assert "prefetcht1" not in plain._last.executable.mod.inspect_source("asm")
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+    ref = oracle("softmax", {"x": x})["y"]
+    if dtype is np.float32:
+        np.testing.assert_allclose(got["y"], ref, rtol=KERNEL_TOL, atol=KERNEL_TOL)
+    else:
+        assert_one_ulp(got["y"], ref, dtype, "softmax y")
 
 
 def test_rows_ahead_past_the_last_row_read_nothing_out_of_bounds():

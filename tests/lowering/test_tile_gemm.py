@@ -171,6 +171,6 @@ def test_split_terms_keep_infinities_nans_and_products_past_bfloat16s_range():
     got = kernel(**inputs)
     assert kernel.plan.tile_dot == AMX_BF16.name
     want = oracle(GAMMA, inputs)
-    register = redfuser.compile(GAMMA, tune=False, variant="unfused")(**inputs)
+    float32_kernel = redfuser.compile(GAMMA, tune=False, variant="unfused")(**inputs)
     assert_one_ulp(got["y"], want["y"], BF16, "y with special products")
-    assert_one_ulp(register["y"], want["y"], BF16, "the float32 kernel, for comparison")
+    assert_one_ulp(float32_kernel["y"], want["y"], BF16, "the float32 kernel, for comparison")
